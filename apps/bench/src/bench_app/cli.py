@@ -1,0 +1,70 @@
+"""Benchmark runner: a readable table, then one JSON object as the last line of output."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from bench_app.report import BenchReport
+
+# name -> (module, one-line description). Modules are imported only when run, so listing
+# benchmarks never imports vLLM or torch.
+BENCHES: dict[str, tuple[str, str]] = {
+    "queue": ("bench_app.queue_bench", "queue actor vs ray.util.queue.Queue: items/s, latency"),
+    "vision": ("bench_app.vision_bench", "event-loop lag: inline qwen-vl-utils vs VisionPreprocessor"),
+    "drain": ("bench_app.drain_bench", "resume-to-dispatch latency vs wait-for-all drain"),
+    "rollout": ("bench_app.rollout_bench", "tokens/s: Rollouter+VLLMEngine vs AsyncLLM direct"),
+    "trainer": ("bench_app.trainer_bench", "tokens/s: PPOTrainer vs a minimal torch loop"),
+    "e2e": ("bench_app.e2e_bench", "wall time: --mode async vs --mode sync, same samples"),
+}
+
+
+def _print_report(name: str, report: BenchReport, console: Console) -> None:
+    table = Table(title=report.title)
+    columns: list[str] = []
+    for row in report.rows:
+        for key in row:
+            if key not in columns:
+                columns.append(key)
+    for column in columns:
+        table.add_column(column)
+    for row in report.rows:
+        table.add_row(*(_fmt(row.get(c, "")) for c in columns))
+    console.print(table)
+    for note in report.notes:
+        console.print(f"- {note}")
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
+    return str(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="apps/bench", description=__doc__)
+    parser.add_argument("name", nargs="?", help="benchmark to run")
+    parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
+    args = parser.parse_args(argv)
+    if args.list or not args.name:
+        for name, (_, description) in BENCHES.items():
+            print(f"{name:10s} {description}")
+        return 0 if args.list else 2
+    if args.name not in BENCHES:
+        print(f"unknown benchmark {args.name!r}; choose from: {', '.join(BENCHES)}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    module = importlib.import_module(BENCHES[args.name][0])
+    report: BenchReport = module.run(quick=args.quick)
+    console = Console(stderr=False)
+    _print_report(args.name, report, console)
+    sys.stdout.flush()
+    print(json.dumps({"bench": args.name, **report.figures}, default=str))
+    return 0

