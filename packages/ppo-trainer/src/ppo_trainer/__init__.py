@@ -1,1 +1,109 @@
-__all__: list[str] = []
+"""Off-policy-correct PPO/GRPO losses, advantages and an async trainer loop.
+
+`import ppo_trainer` is light (msgspec only): the wire types, the config and the protocols
+load eagerly; everything that needs torch loads on first attribute access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ppo_trainer.config import PPOConfig
+from ppo_trainer.protocols import (
+    BatchSource,
+    GroupSource,
+    MetricsSink,
+    MetricValue,
+    MultiModalInputsFn,
+    WeightSink,
+)
+from ppo_trainer.types import TRAJECTORY_SCHEMA_VERSION, MultiModalRef, Timings, Trajectory
+
+if TYPE_CHECKING:
+    from ppo_trainer.advantages import gae_advantages, grpo_advantages, rloo_advantages
+    from ppo_trainer.batch import PackedBatch, pack_batch
+    from ppo_trainer.losses import (
+        aggregate_loss,
+        entropy_from_logits,
+        kl_penalty,
+        masked_mean,
+        policy_loss,
+        token_logprobs,
+        value_loss,
+    )
+    from ppo_trainer.schedule import lr_multiplier
+    from ppo_trainer.sources import iterate_batch_source
+    from ppo_trainer.trainer import PPOTrainer, StopReason, TrainSummary, group_staleness
+    from ppo_trainer.update import PolicyUpdater, export_weights
+
+__all__ = [
+    "TRAJECTORY_SCHEMA_VERSION",
+    "BatchSource",
+    "GroupSource",
+    "MetricValue",
+    "MetricsSink",
+    "MultiModalInputsFn",
+    "MultiModalRef",
+    "PPOConfig",
+    "PPOTrainer",
+    "PackedBatch",
+    "PolicyUpdater",
+    "StopReason",
+    "Timings",
+    "TrainSummary",
+    "Trajectory",
+    "WeightSink",
+    "aggregate_loss",
+    "entropy_from_logits",
+    "export_weights",
+    "gae_advantages",
+    "group_staleness",
+    "grpo_advantages",
+    "iterate_batch_source",
+    "kl_penalty",
+    "lr_multiplier",
+    "masked_mean",
+    "pack_batch",
+    "policy_loss",
+    "rloo_advantages",
+    "token_logprobs",
+    "value_loss",
+]
+
+# name -> module of the torch-dependent part of the API (imported on first access).
+_LAZY = {
+    "gae_advantages": "advantages",
+    "grpo_advantages": "advantages",
+    "rloo_advantages": "advantages",
+    "PackedBatch": "batch",
+    "pack_batch": "batch",
+    "aggregate_loss": "losses",
+    "entropy_from_logits": "losses",
+    "kl_penalty": "losses",
+    "masked_mean": "losses",
+    "policy_loss": "losses",
+    "token_logprobs": "losses",
+    "value_loss": "losses",
+    "lr_multiplier": "schedule",
+    "iterate_batch_source": "sources",
+    "PPOTrainer": "trainer",
+    "StopReason": "trainer",
+    "TrainSummary": "trainer",
+    "group_staleness": "trainer",
+    "PolicyUpdater": "update",
+    "export_weights": "update",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ppo_trainer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"ppo_trainer.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

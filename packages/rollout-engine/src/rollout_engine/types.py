@@ -96,6 +96,8 @@ class SamplingConfig:
     top_k: int = -1
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # Generate exactly max_tokens (benchmarks, tests); never set for RL rollouts.
+    ignore_eos: bool = False
 
 
 class Completion(msgspec.Struct, kw_only=True):

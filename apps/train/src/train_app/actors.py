@@ -1,0 +1,243 @@
+"""The Ray actors of a run: a rollouter (vLLM) per replica and one trainer.
+
+Both are async actors: every Ray call inside them is awaited, CPU work (vLLM's engine core,
+the trainer's torch step) runs off their event loop, and an `EventLoopLagMonitor` on each loop
+proves it (`event_loop/lag_ms_*`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RolloutActor", "RolloutSpec", "TrainerActor", "TrainerSpec"]
+
+
+def _limit_threads(cpu: int | None) -> None:
+    """One core per actor: the engine on one, the trainer on the other (2-core machines)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, {cpu})
+        except OSError:  # fewer cores than expected: leave the affinity alone
+            logger.warning("could not pin to core %d", cpu)
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    model_dir: str
+    task: str
+    seed: int
+    replica: int
+    replicas: int
+    batch_size: int
+    group_size: int
+    max_concurrency: int
+    sync_every: int
+    max_staleness: int
+    partial_rollout: bool
+    pause_mode: str
+    max_tokens: int
+    temperature: float
+    initial_version: int = 0
+    skip_prompt_ids: frozenset[str] = field(default_factory=frozenset)
+    cpu: int | None = None
+    task_options: dict[str, Any] = field(default_factory=dict)
+
+
+@ray.remote(max_concurrency=64, max_restarts=0)
+class RolloutActor:
+    """One vLLM engine and the `Rollouter` that feeds the queue from it."""
+
+    def __init__(self, spec: RolloutSpec, queue: Any) -> None:
+        _limit_threads(spec.cpu)
+        self._spec = spec
+        self._queue = queue
+        self._run_task: asyncio.Task[Any] | None = None
+
+    async def start(self) -> float:
+        """Start the engine (tens of seconds on CPU) and the rollout loop; returns startup s."""
+        from mm_preprocess import EventLoopLagMonitor
+        from rollout_engine import Rollouter, SamplingConfig, VLLMEngine
+        from rollout_engine.rollouter import RolloutConfig
+        from rollout_engine.vllm_engine import VLLMEngineConfig
+        from transformers import AutoTokenizer
+
+        from train_app.tasks import make_task
+        from train_app.wiring import QueueTrajectorySink
+
+        spec = self._spec
+        self._lag = EventLoopLagMonitor()
+        await self._lag.start()
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, spec.model_dir)
+        task = make_task(spec.task, tokenizer, **spec.task_options)
+        self._engine = await VLLMEngine.create(
+            VLLMEngineConfig(
+                model=spec.model_dir,
+                seed=spec.seed + spec.replica,
+                max_model_len=256,
+                max_num_seqs=max(64, spec.max_concurrency * spec.group_size),
+                initial_version=spec.initial_version,
+            )
+        )
+        config = RolloutConfig(
+            group_size=spec.group_size,
+            max_concurrency=spec.max_concurrency,
+            # Each replica admits its share of a trainer batch.
+            batch_size=max(1, spec.batch_size // spec.replicas),
+            sync_every=spec.sync_every,
+            max_staleness=spec.max_staleness,
+            partial_rollout=spec.partial_rollout,
+            pause_mode=spec.pause_mode,  # type: ignore[arg-type]
+            sampling=SamplingConfig(
+                max_tokens=spec.max_tokens,
+                temperature=spec.temperature,
+                stop_token_ids=(tokenizer.eos_token_id,),
+            ),
+        )
+        self._rollouter = Rollouter(
+            self._engine,
+            _fresh_prompts(task.prompts(spec.seed * 1000 + spec.replica), spec.skip_prompt_ids),
+            QueueTrajectorySink(self._queue),
+            task.reward,
+            config,
+        )
+        self._rollouter.on_weights(spec.initial_version)
+        self._run_task = asyncio.create_task(self._run())
+        return self._engine.startup_s
+
+    async def _run(self) -> dict[str, Any]:
+        try:
+            stats = await self._rollouter.run()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            logger.exception("rollouter failed")
+            # The trainer must not wait forever on a queue nobody fills: fail it with the cause.
+            await self._queue.close(error=exc)
+            raise
+        return {"stats": str(stats)}
+
+    async def wait(self) -> dict[str, Any]:
+        """Returns when the rollout loop ends; raises its error if it failed."""
+        assert self._run_task is not None, "start() first"
+        return await asyncio.shield(self._run_task)
+
+    async def update_weights(self, weights: dict[str, Any], version: int) -> None:
+        await self._rollouter.update_weights(weights, version)
+
+    async def metrics(self) -> dict[str, Any]:
+        metrics = dict(self._rollouter.metrics())
+        metrics.update(self._lag.metrics(prefix="event_loop"))
+        metrics["rollout/failed"] = float(self._rollouter.stats().failed)
+        return metrics
+
+    async def failures(self) -> list[str]:
+        return [str(f) for f in self._rollouter.failures]
+
+    async def stop(self) -> None:
+        if self._run_task is not None and not self._run_task.done():
+            await self._rollouter.stop()
+            self._run_task.cancel()
+        await self._engine.close()
+        await self._lag.stop()
+
+
+def _fresh_prompts(prompts: Iterator[Any], skip: frozenset[str]) -> Iterator[Any]:
+    """The task's seeded prompt stream without the prompts consumed before a resume."""
+    return (p for p in prompts if p.prompt_id not in skip)
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    model_dir: str
+    run_dir: str
+    steps: int
+    batch_size: int
+    group_size: int
+    max_staleness: int
+    sync_every: int
+    lr: float
+    ppo_epochs: int
+    clip_eps: float
+    is_cap: float
+    temperature: float
+    seed: int
+    checkpoint_every: int
+    resume_from: str | None = None
+    cpu: int | None = None
+
+
+@ray.remote(max_concurrency=16, max_restarts=0)
+class TrainerActor:
+    """Runs `PPOTrainer` on batches from the queue and pushes weights to the rollouters."""
+
+    def __init__(self, spec: TrainerSpec, queue: Any, rollout_actors: list[Any]) -> None:
+        _limit_threads(spec.cpu)
+        import torch
+
+        torch.set_num_threads(1)
+        self._spec = spec
+        self._queue = queue
+        self._rollout_actors = rollout_actors
+        self._records: list[tuple[int, dict[str, Any]]] = []
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:  # MetricsSink
+        self._records.append((step, dict(metrics)))
+
+    async def train(self) -> dict[str, Any]:
+        from mm_preprocess import EventLoopLagMonitor
+        from ppo_trainer import PPOConfig, PPOTrainer
+        from transformers import AutoModelForCausalLM
+
+        from train_app.wiring import QueueBatchSource, RolloutWeightSink
+
+        spec = self._spec
+        self._lag = EventLoopLagMonitor()
+        await self._lag.start()
+        model = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, spec.model_dir)
+        config = PPOConfig(
+            lr=spec.lr,
+            batch_size=spec.batch_size,
+            ppo_epochs=spec.ppo_epochs,
+            clip_eps=spec.clip_eps,
+            is_cap=spec.is_cap,
+            temperature=spec.temperature,
+            total_steps=spec.steps,
+            sync_every=spec.sync_every,
+            max_staleness=spec.max_staleness,
+            seed=spec.seed,
+            max_grad_norm=1.0,
+            checkpoint_dir=str(Path(spec.run_dir) / "checkpoints"),
+            checkpoint_every=spec.checkpoint_every,
+        )
+        self._trainer = PPOTrainer(model, config, metrics_sink=self)
+        skip: list[str] = []
+        if spec.resume_from:
+            await self._trainer.load_checkpoint(spec.resume_from)
+            skip = list(self._trainer.consumed_ids)
+        source = QueueBatchSource(self._queue, spec.max_staleness, skip_ids=skip)
+        sink = RolloutWeightSink(self._rollout_actors)
+        from async_queue import QueueClosed
+
+        summary = await self._trainer.train(source, sink, end_of_stream=(QueueClosed,))
+        await self._lag.stop()
+        return dict(summary) if not isinstance(summary, dict) else summary
+
+    async def drain_metrics(self) -> list[tuple[int, dict[str, Any]]]:
+        """New per-step records since the last call, with this loop's lag added."""
+        records, self._records = self._records, []
+        lag = self._lag.metrics(prefix="event_loop/trainer") if hasattr(self, "_lag") else {}
+        return [(step, {**m, **lag}) for step, m in records]
+
+    async def version(self) -> int:
+        return self._trainer.version if hasattr(self, "_trainer") else 0

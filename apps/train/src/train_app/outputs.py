@@ -1,0 +1,99 @@
+"""Where a run's metrics go: JSONL, TensorBoard events, a PNG plot and a summary table."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["MetricsWriter", "plot_run", "read_metrics", "summary_table"]
+
+
+class MetricsWriter:
+    """A `MetricsSink`: one JSON object per trainer step, mirrored to TensorBoard scalars."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = self.path.open("a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        record = {"step": step, **metrics}
+        self._file.write(json.dumps(record, default=_jsonable) + "\n")
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, int | float) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    with Path(path).open() as file:
+        return [json.loads(line) for line in file if line.strip()]
+
+
+def _series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float)]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot_run(records: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> Path:
+    """Reward, staleness and both idle ratios over trainer steps, in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
+    axes[0].plot(*_series(records, "reward/mean"), label="reward/mean")
+    axes[0].set_ylim(0, 1.05)
+    axes[0].set_title("reward")
+    axes[1].plot(*_series(records, "staleness/mean"), label="staleness/mean")
+    axes[1].plot(*_series(records, "staleness/max"), label="staleness/max", linestyle="--")
+    axes[1].set_title("staleness (versions)")
+    axes[2].plot(*_series(records, "rollout/idle_ratio"), label="rollout/idle_ratio")
+    axes[2].plot(*_series(records, "trainer/idle_ratio"), label="trainer/idle_ratio")
+    axes[2].set_ylim(0, 1.05)
+    axes[2].set_title("idle ratios")
+    for axis in axes:
+        axis.set_xlabel("trainer step")
+        axis.legend(loc="best")
+        axis.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+def summary_table(summary: Mapping[str, Any], title: str = "run summary") -> Table:
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        table.add_row(key, text)
+    return table
+
+
+def print_summary(summary: Mapping[str, Any], console: Console | None = None) -> None:
+    (console or Console()).print(summary_table(summary))

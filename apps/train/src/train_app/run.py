@@ -1,0 +1,326 @@
+"""The driver of a run: starts Ray and the actors, watches them, writes the outputs.
+
+Failure handling: if a rollouter dies, the driver fails the queue with the cause, so the
+trainer's next read raises `ProducerFailed` and the run exits non-zero within seconds; if the
+trainer or the queue dies, its error ends the run the same way. Ctrl-C stops every engine and
+actor, and shuts down the Ray cluster this run started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from train_app.config import TrainConfig, to_toml
+from train_app.outputs import MetricsWriter, plot_run, print_summary
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RunFailed", "RunResult", "run"]
+
+# How often the driver polls metrics and actor health.
+POLL_S = 0.5
+# Environment of every actor process: in-process vLLM engine core, no hub access.
+WORKER_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+class RunFailed(RuntimeError):
+    """An actor of the run failed; the message carries the cause."""
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    summary: dict[str, Any]
+
+
+def prepare_run_dir(config: TrainConfig) -> tuple[TrainConfig, Path]:
+    if config.resume is not None:
+        run_dir = Path(config.resume)
+    else:
+        name = config.name or f"{config.task}-{config.mode}-{datetime.now():%Y%m%d-%H%M%S}"
+        run_dir = Path(config.runs_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(replace(config, resume=None)))
+    return config, run_dir
+
+
+def ensure_model(config: TrainConfig, run_dir: Path) -> Path:
+    if config.model is not None:
+        return Path(config.model).resolve()
+    from train_app.tiny_model import build_tiny_qwen2
+
+    return build_tiny_qwen2(run_dir / "model", seed=config.seed).resolve()
+
+
+def run(config: TrainConfig, console: Console | None = None) -> RunResult:
+    """Run training to the end; raises `RunFailed` with the cause if an actor fails."""
+    config.validate()
+    console = console or Console()
+    config, run_dir = prepare_run_dir(config)
+    os.environ.update({k: v for k, v in WORKER_ENV.items() if k not in os.environ})
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((run_dir / ".inductor").resolve()))
+    model_dir = ensure_model(config, run_dir)
+    return asyncio.run(_drive(config, run_dir, model_dir, console))
+
+
+async def _drive(config: TrainConfig, run_dir: Path, model_dir: Path, console: Console) -> RunResult:
+    import ray
+
+    started_ray = False
+    if not ray.is_initialized():
+        env = {**WORKER_ENV, "TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]}
+        if config.ray_address:
+            ray.init(address=config.ray_address, runtime_env={"env_vars": env})
+        else:
+            ray.init(
+                num_cpus=max(2, config.rollout_replicas + 1),
+                include_dashboard=False,
+                runtime_env={"env_vars": env},
+                logging_level=logging.WARNING,
+            )
+            started_ray = True
+    session = _Session(config, run_dir, model_dir, console)
+    try:
+        return await session.run()
+    finally:
+        await session.shutdown()
+        if started_ray:
+            ray.shutdown()
+
+
+class _Session:
+    """One run's actors and outputs."""
+
+    def __init__(self, config: TrainConfig, run_dir: Path, model_dir: Path, console: Console):
+        self.config, self.run_dir, self.model_dir, self.console = config, run_dir, model_dir, console
+        self.rollouts: list[Any] = []
+        self.trainer: Any = None
+        self.queue: Any = None
+        self.writer = MetricsWriter(run_dir)
+        self.records: list[dict[str, Any]] = []
+        self.rollout_metrics: dict[str, Any] = {}
+
+    async def run(self) -> RunResult:
+        import ray
+        from async_queue import MessageQueueClient
+
+        from train_app.actors import RolloutActor, RolloutSpec, TrainerActor, TrainerSpec
+
+        c = self.config
+        pin = c.rollout_replicas == 1 and (os.cpu_count() or 1) >= 2 and not c.ray_address
+        resume_ckpt, resume_version, consumed = _resume_state(c, self.run_dir)
+        k = c.effective_staleness
+        self.queue = MessageQueueClient.create(
+            maxsize=(k + 2) * c.batch_size, actor_options={"num_cpus": 0}
+        )
+        self.rollouts = [
+            RolloutActor.options(num_cpus=1).remote(
+                RolloutSpec(
+                    model_dir=str(self.model_dir),
+                    task=c.task,
+                    seed=c.seed,
+                    replica=i,
+                    replicas=c.rollout_replicas,
+                    batch_size=c.batch_size,
+                    group_size=c.group_size,
+                    max_concurrency=c.max_concurrency,
+                    sync_every=c.sync_every,
+                    max_staleness=k,
+                    partial_rollout=c.effective_partial_rollout,
+                    pause_mode=c.pause_mode,
+                    max_tokens=c.max_tokens,
+                    temperature=c.temperature,
+                    initial_version=resume_version,
+                    skip_prompt_ids=frozenset(consumed),
+                    cpu=0 if pin else None,
+                ),
+                self.queue,
+            )
+            for i in range(c.rollout_replicas)
+        ]
+        t0 = time.monotonic()
+        with self.console.status("starting vLLM (tens of seconds on CPU)..."):
+            startup = await asyncio.gather(*(r.start.remote() for r in self.rollouts))
+        logger.info("engines up in %.1f s (%s)", time.monotonic() - t0, startup)
+        self.trainer = TrainerActor.options(num_cpus=1).remote(
+            TrainerSpec(
+                model_dir=str(self.model_dir),
+                run_dir=str(self.run_dir.resolve()),
+                steps=c.steps,
+                batch_size=c.batch_size,
+                group_size=c.group_size,
+                max_staleness=k,
+                sync_every=c.sync_every,
+                lr=c.lr,
+                ppo_epochs=c.ppo_epochs,
+                clip_eps=c.clip_eps,
+                is_cap=c.is_cap,
+                temperature=c.temperature,
+                seed=c.seed,
+                checkpoint_every=c.checkpoint_every,
+                resume_from=resume_ckpt,
+                cpu=1 if pin else None,
+            ),
+            self.queue,
+            self.rollouts,
+        )
+        train_started = time.monotonic()
+        train_ref = asyncio.ensure_future(_await(self.trainer.train.remote()))
+        rollout_refs = [asyncio.ensure_future(_await(r.wait.remote())) for r in self.rollouts]
+        trainer_summary = await self._watch(train_ref, rollout_refs)
+        train_s = time.monotonic() - train_started
+        await self._collect_metrics()
+        return self._finish(trainer_summary, train_s, startup_s=train_started - t0)
+
+    async def _watch(self, train_ref: asyncio.Future, rollout_refs: list[asyncio.Future]) -> Any:
+        c = self.config
+        with _progress(self.console, c.progress) as progress:
+            task = progress.add_task("training", total=c.steps, info="")
+            while True:
+                done, _ = await asyncio.wait({train_ref, *rollout_refs}, timeout=POLL_S)
+                await self._collect_metrics()
+                progress.update(task, completed=len(self.records), info=self._progress_info())
+                for ref in rollout_refs:
+                    if ref in done and ref.exception() is not None and not train_ref.done():
+                        # A dead producer: fail the stream so the trainer stops with the cause.
+                        cause = ref.exception()
+                        logger.error("rollouter failed: %s", cause)
+                        await _quietly(self.queue.close(error=f"rollouter failed: {cause}"))
+                if train_ref in done:
+                    if train_ref.exception() is not None:
+                        raise RunFailed(f"trainer failed: {train_ref.exception()}") from (
+                            train_ref.exception()
+                        )
+                    return train_ref.result()
+
+    async def _collect_metrics(self) -> None:
+        if self.trainer is None:
+            return
+        try:
+            rollout = await asyncio.wait_for(_await(self.rollouts[0].metrics.remote()), 5)
+            self.rollout_metrics = rollout
+        except Exception:  # a dead rollouter is reported by _watch; keep the last metrics
+            pass
+        try:
+            queue_stats = await asyncio.wait_for(self.queue.stats(), 5)
+            queue_metrics = queue_stats.metrics()
+        except Exception:
+            queue_metrics = {}
+        try:
+            records = await asyncio.wait_for(_await(self.trainer.drain_metrics.remote()), 5)
+        except Exception:
+            records = []
+        for step, metrics in records:
+            record = {**self.rollout_metrics, **queue_metrics, **metrics}
+            self.writer.log(record, step)
+            self.records.append({"step": step, **record})
+
+    def _progress_info(self) -> str:
+        if not self.records:
+            return "waiting for the first batch"
+        last = self.records[-1]
+        return (
+            f"reward {last.get('reward/mean', 0):.3f}  "
+            f"staleness {last.get('staleness/mean', 0):.2f}/{last.get('staleness/max', 0):.0f}  "
+            f"{last.get('tokens/s', 0):,.0f} tok/s  queue {last.get('queue/size', 0):.0f}"
+        )
+
+    def _finish(self, trainer_summary: Any, train_s: float, startup_s: float) -> RunResult:
+        self.writer.close()
+        plot = plot_run(self.records, self.run_dir / "reward.png", title=str(self.run_dir.name))
+        rewards = [r["reward/mean"] for r in self.records if "reward/mean" in r]
+        tenth = max(1, len(rewards) // 10)
+        staleness = [r["staleness/max"] for r in self.records if "staleness/max" in r]
+        summary = {
+            "run_dir": str(self.run_dir),
+            "steps": len(self.records),
+            "startup_s": round(startup_s, 1),
+            "train_wall_s": round(train_s, 1),
+            "reward_first_tenth": statistics.fmean(rewards[:tenth]) if rewards else float("nan"),
+            "reward_last_tenth": statistics.fmean(rewards[-tenth:]) if rewards else float("nan"),
+            "staleness_max": max(staleness) if staleness else 0,
+            "weight_version": self.records[-1].get("trainer/version", "") if self.records else "",
+            "event_loop_lag_p99_ms": self.rollout_metrics.get("event_loop/lag_ms_p99", ""),
+            "rollout_failed": self.rollout_metrics.get("rollout/failed", 0),
+            "plot": str(plot),
+            "metrics": str(self.writer.path),
+        }
+        (self.run_dir / "summary.json").write_text(__import__("json").dumps(summary, indent=2))
+        print_summary(summary, self.console)
+        return RunResult(self.run_dir, summary)
+
+    async def shutdown(self) -> None:
+        """Stop engines and actors; safe to call after a failure or Ctrl-C."""
+        import ray
+
+        for actor in self.rollouts:
+            await _quietly(asyncio.wait_for(_await(actor.stop.remote()), 20))
+        if self.queue is not None:
+            await _quietly(asyncio.wait_for(self.queue.close(), 5))
+        for actor in [*self.rollouts, self.trainer, getattr(self.queue, "handle", None)]:
+            if actor is not None:
+                try:
+                    ray.kill(actor)
+                except Exception:
+                    pass
+        try:
+            self.writer.close()
+        except Exception:
+            pass
+
+
+def _resume_state(config: TrainConfig, run_dir: Path) -> tuple[str | None, int, list[str]]:
+    """(checkpoint dir, its policy version, consumed sample ids) of a run to resume."""
+    if config.resume is None:
+        return None, 0, []
+    from ppo_trainer import read_checkpoint_meta
+
+    checkpoint = run_dir / "checkpoints" / "latest"
+    if not checkpoint.exists():
+        raise RunFailed(f"--resume {run_dir}: no checkpoint in {checkpoint.parent}")
+    meta = read_checkpoint_meta(checkpoint)
+    return str(checkpoint.resolve()), meta.version, list(meta.consumed_ids)
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
+
+
+async def _quietly(awaitable: Any) -> None:
+    try:
+        await awaitable
+    except Exception as exc:
+        logger.debug("ignored during shutdown: %r", exc)
+
+
+def _progress(console: Console, enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=console,
+        disable=not enabled,
+        transient=False,
+    )

@@ -1,0 +1,116 @@
+"""`QueueActor`: the Ray actor around `MessageQueue`, and the function that starts it.
+
+Use it through `MessageQueueClient`; the actor's own methods speak msgpack bytes (one blob per
+call) and may change. The actor is async, so one event loop serves every call, and
+`max_concurrency` (default 1000) bounds how many calls may wait at once: it must exceed the
+number of consumers that can wait together, or a waiting crowd would lock out the producer.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+import ray
+
+from async_queue import _wire
+from async_queue.core import MessageQueue
+from async_queue.errors import ProducerFailed
+from async_queue.types import FullPolicy
+
+__all__ = ["DEFAULT_MAX_CONCURRENCY", "QueueActor", "start_queue_actor"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONCURRENCY = 1000
+
+
+class QueueActor:
+    """Holds one `MessageQueue`. All methods are `async` so they share the actor's loop."""
+
+    def __init__(self, maxsize: int, policy: str) -> None:
+        self._queue = MessageQueue(maxsize, policy)
+
+    async def put(self, blob: bytes) -> None:
+        await self._queue.put(_wire.decode_item(blob))
+
+    async def put_many(self, blob: bytes) -> None:
+        await self._queue.put_many(_wire.decode_items(blob))
+
+    async def get(self, timeout: float | None) -> bytes:  # noqa: ASYNC109
+        return _wire.encode(await self._queue.get(timeout))
+
+    async def get_batch(
+        self,
+        n: int,
+        timeout: float | None,  # noqa: ASYNC109 (enforced where the items are)
+        min_items: int,
+        current_version: int | None,
+        max_staleness: int | None,
+    ) -> bytes:
+        batch = await self._queue.get_batch(
+            n,
+            timeout,
+            min_items=min_items,
+            current_version=current_version,
+            max_staleness=max_staleness,
+        )
+        return _wire.encode(batch)
+
+    async def close(self, cause_type: str | None, cause_message: str | None) -> None:
+        # The cause arrives as text: the actor need not import the producer's exception class.
+        if cause_type is None:
+            await self._queue.close()
+        else:
+            await self._queue.close(ProducerFailed(cause_type, cause_message or ""))
+
+    async def stats(self) -> bytes:
+        return _wire.encode(self._queue.stats())
+
+    async def size(self) -> int:
+        return self._queue.qsize()
+
+    async def pid(self) -> int:
+        """The actor's process id (tests use it to find this actor's log files)."""
+        return os.getpid()
+
+
+@functools.cache
+def _remote_class() -> Any:
+    return ray.remote(QueueActor)
+
+
+def start_queue_actor(
+    maxsize: int,
+    policy: FullPolicy | str,
+    *,
+    name: str | None = None,
+    namespace: str | None = None,
+    detached: bool = False,
+    get_if_exists: bool = False,
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+    actor_options: dict[str, Any] | None = None,
+) -> ray.actor.ActorHandle:
+    """Start the actor (non-blocking) and return its handle.
+
+    `name` registers it so other processes can `connect(name)`; `detached=True` (needs a name)
+    lets it outlive the driver that created it. It reserves no CPU (`num_cpus=0`): it is
+    I/O-bound. `actor_options` are passed to `.options()` last, so they override all this.
+    """
+    if maxsize < 1:
+        raise ValueError(f"maxsize must be >= 1, got {maxsize}")
+    policy = FullPolicy(policy)  # fail here, not inside the actor's constructor
+    if detached and name is None:
+        raise ValueError("a detached queue actor needs a name (how else would you find it?)")
+    options: dict[str, Any] = {"max_concurrency": max_concurrency, "num_cpus": 0}
+    if name is not None:
+        options.update(name=name, get_if_exists=get_if_exists)
+        if namespace is not None:
+            options["namespace"] = namespace
+    if detached:
+        options["lifetime"] = "detached"
+    options.update(actor_options or {})
+    logger.debug("starting queue actor maxsize=%d policy=%s options=%s", maxsize, policy, options)
+    return _remote_class().options(**options).remote(maxsize, policy.value)

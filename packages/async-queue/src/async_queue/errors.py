@@ -1,0 +1,71 @@
+"""The queue's signals. End of stream and producer failure are different exceptions.
+
+Every exception here survives pickling (Ray ships actor-side exceptions to the caller): the
+constructor arguments are exactly `self.args`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ProducerFailed",
+    "QueueClosed",
+    "QueueError",
+    "QueueFull",
+    "QueueTimeout",
+    "SyncClientInEventLoopError",
+]
+
+
+class QueueError(Exception):
+    """Base class of the queue's own signals."""
+
+
+class QueueClosed(QueueError):
+    """The queue was closed normally and nothing is left for this call.
+
+    Raised by `get`/`get_batch` once a closed queue is drained, and by `put`/`put_many` on a
+    closed queue. `async for` over a client ends on it instead of raising.
+    """
+
+
+class ProducerFailed(QueueError):
+    """A producer closed the queue with an error; carries the cause as text.
+
+    The cause travels as its type name and message (not the exception object) so it survives
+    any process boundary even when the consumer cannot import the producer's exception class.
+    """
+
+    def __init__(self, cause_type: str, cause_message: str) -> None:
+        super().__init__(cause_type, cause_message)
+        self.cause_type = cause_type
+        self.cause_message = cause_message
+
+    @classmethod
+    def from_error(cls, error: BaseException | str) -> ProducerFailed:
+        """Build from an exception (type name + str) or a plain message (type "str")."""
+        if isinstance(error, ProducerFailed):
+            return cls(error.cause_type, error.cause_message)
+        if isinstance(error, BaseException):
+            return cls(type(error).__name__, str(error))
+        return cls("str", str(error))
+
+    def __str__(self) -> str:
+        return f"producer failed: {self.cause_type}: {self.cause_message}"
+
+
+class QueueFull(QueueError):
+    """The queue (policy `reject`) has no room for the whole put; nothing was enqueued."""
+
+
+class QueueTimeout(QueueError, TimeoutError):
+    """`get`/`get_batch` found too few items before `timeout`; nothing was taken.
+
+    A subclass of `TimeoutError`, which is `asyncio.TimeoutError` on Python >= 3.11.
+    """
+
+
+class SyncClientInEventLoopError(RuntimeError):
+    """`SyncMessageQueueClient` was called on a thread whose asyncio event loop is running.
+
+    It would block that loop; use the async `MessageQueueClient` there instead.
+    """

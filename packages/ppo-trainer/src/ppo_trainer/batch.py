@@ -1,0 +1,162 @@
+"""Turning groups of trajectories into padded tensors.
+
+Layout: each sequence is prompt + response, right-padded to the longest sequence. The model
+sees `input_ids[:, :-1]`-aligned logits; position j of every per-token tensor refers to the
+prediction of token j + 1, so a response token at absolute position p lives at j = p - 1.
+Right padding keeps the real tokens at positions 0..len-1, which is what causal LMs (and
+Qwen2-VL's M-RoPE, which reads the attention mask) expect without explicit position ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from ppo_trainer.protocols import MultiModalInputsFn
+from ppo_trainer.types import MultiModalRef, Trajectory
+
+__all__ = ["PackedBatch", "pack_batch"]
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """A padded batch of B sequences of (at most) L tokens.
+
+    Per-token tensors have shape [B, L - 1] (aligned to the predicted token), per-sequence
+    ones [B]. `prox_logp` / `ref_logp` are filled by the updater before the updates.
+    """
+
+    input_ids: torch.Tensor  # [B, L] int64
+    attention_mask: torch.Tensor  # [B, L] int64
+    response_mask: torch.Tensor  # [B, L-1] float32, 1 where the target is a response token
+    behav_logp: torch.Tensor  # [B, L-1] float32, engine log-probs (0 off the response)
+    advantages: torch.Tensor  # [B] float32, one per sequence
+    seq_lens: torch.Tensor  # [B] int64, prompt + response length
+    mm_inputs: tuple[Mapping[str, torch.Tensor] | None, ...] | None = None
+    prox_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_mask.sum().item())
+
+    @property
+    def num_tokens(self) -> int:
+        """Non-padding tokens (prompt + response): what a forward pass processes."""
+        return int(self.seq_lens.sum().item())
+
+    def select(self, rows: torch.Tensor) -> PackedBatch:
+        """Rows `rows` (1-D index tensor), trimmed to their own longest sequence."""
+        length = int(self.seq_lens[rows].max().item())
+        length = max(length, 2)
+
+        def pick(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
+            return None if t is None else t[rows, :width]
+
+        mm = None
+        if self.mm_inputs is not None:
+            mm = tuple(self.mm_inputs[i] for i in rows.tolist())
+        return PackedBatch(
+            input_ids=self.input_ids[rows, :length],
+            attention_mask=self.attention_mask[rows, :length],
+            response_mask=self.response_mask[rows, : length - 1],
+            behav_logp=self.behav_logp[rows, : length - 1],
+            advantages=self.advantages[rows],
+            seq_lens=self.seq_lens[rows],
+            mm_inputs=mm,
+            prox_logp=pick(self.prox_logp, length - 1),
+            ref_logp=pick(self.ref_logp, length - 1),
+        )
+
+    def with_logprobs(
+        self, *, prox_logp: torch.Tensor | None, ref_logp: torch.Tensor | None
+    ) -> PackedBatch:
+        return replace(self, prox_logp=prox_logp, ref_logp=ref_logp)
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """input_ids, attention_mask and the concatenated multimodal tensors of these rows."""
+        inputs = {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+        if self.mm_inputs is not None:
+            present = [mm for mm in self.mm_inputs if mm is not None]
+            for key in present[0].keys() if present else ():
+                inputs[key] = torch.cat([mm[key] for mm in present], dim=0)
+        return inputs
+
+
+def pack_batch(
+    trajectories: Sequence[Trajectory],
+    advantages: Sequence[float],
+    *,
+    pad_token_id: int = 0,
+    mm_inputs_fn: MultiModalInputsFn | None = None,
+) -> PackedBatch:
+    """Pad `trajectories` (with one advantage each) into a `PackedBatch` on the CPU.
+
+    `mm_inputs_fn` is called once per distinct `MultiModalRef` (a GRPO group shares one).
+    """
+    if len(trajectories) != len(advantages):
+        raise ValueError("need exactly one advantage per trajectory")
+    if not trajectories:
+        raise ValueError("cannot pack an empty batch")
+    seq_lens = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+    length = max(max(seq_lens), 2)
+    batch = len(trajectories)
+    input_ids = torch.full((batch, length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, length), dtype=torch.long)
+    response_mask = torch.zeros((batch, length - 1), dtype=torch.float32)
+    behav_logp = torch.zeros((batch, length - 1), dtype=torch.float32)
+    for row, traj in enumerate(trajectories):
+        n_prompt, n_resp = len(traj.prompt_ids), len(traj.response_ids)
+        if n_prompt < 1:
+            raise ValueError(f"trajectory {traj.sample_id}: empty prompt")
+        if len(traj.behaviour_logprobs) != n_resp:
+            raise ValueError(
+                f"trajectory {traj.sample_id}: {len(traj.behaviour_logprobs)} behaviour "
+                f"log-probs for {n_resp} response tokens"
+            )
+        input_ids[row, : n_prompt + n_resp] = torch.tensor(
+            [*traj.prompt_ids, *traj.response_ids], dtype=torch.long
+        )
+        attention_mask[row, : n_prompt + n_resp] = 1
+        response_mask[row, n_prompt - 1 : n_prompt - 1 + n_resp] = 1.0
+        if n_resp:
+            behav_logp[row, n_prompt - 1 : n_prompt - 1 + n_resp] = torch.tensor(
+                traj.behaviour_logprobs, dtype=torch.float32
+            )
+    mm = _multimodal_inputs(trajectories, mm_inputs_fn)
+    return PackedBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        behav_logp=behav_logp,
+        advantages=torch.tensor(list(advantages), dtype=torch.float32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.long),
+        mm_inputs=mm,
+    )
+
+
+def _multimodal_inputs(
+    trajectories: Sequence[Trajectory], mm_inputs_fn: MultiModalInputsFn | None
+) -> tuple[Mapping[str, torch.Tensor] | None, ...] | None:
+    if not any(t.multimodal is not None for t in trajectories):
+        return None
+    if mm_inputs_fn is None:
+        raise ValueError("multimodal trajectories need a mm_inputs_fn")
+    cache: dict[tuple[str, tuple[str, ...]], Mapping[str, torch.Tensor]] = {}
+    out: list[Mapping[str, torch.Tensor] | None] = []
+    for traj in trajectories:
+        ref: MultiModalRef | None = traj.multimodal
+        if ref is None:
+            out.append(None)
+            continue
+        key = (ref.messages_json, tuple(ref.image_sources))
+        if key not in cache:
+            cache[key] = dict(mm_inputs_fn(ref))
+        out.append(cache[key])
+    return tuple(out)

@@ -1,0 +1,150 @@
+"""Checkpoints: model, optimizer, scheduler, RNG states and the trainer's progress.
+
+Layout of a checkpoint directory:
+
+    model.pt          model.state_dict()
+    optimizer.pt      optimizer.state_dict()
+    scheduler.pt      LR scheduler state_dict()
+    rng.pt            torch (CPU + CUDA), numpy, python and the shuffling generator states
+    trainer_state.json  step, version, consumed sample ids, the config (for reference)
+
+Everything loads with `torch.load(weights_only=True)` (no pickle of arbitrary objects). The
+directory is written under a temporary name and renamed, so a crash never leaves a half
+checkpoint under the final name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ppo_trainer.config import PPOConfig
+from ppo_trainer.update import PolicyUpdater
+
+__all__ = ["CHECKPOINT_FORMAT", "TrainerState", "load_checkpoint", "save_checkpoint"]
+
+CHECKPOINT_FORMAT = 1
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerState:
+    """The trainer's progress, stored next to the tensors."""
+
+    step: int
+    version: int
+    consumed_sample_ids: tuple[str, ...]
+
+
+def save_checkpoint(path: str | Path, updater: PolicyUpdater, state: TrainerState) -> Path:
+    """Write a checkpoint of `updater` and `state` to directory `path` (replaced if present)."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        torch.save(updater.model.state_dict(), tmp / "model.pt")
+        torch.save(updater.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(updater.scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(_rng_state(updater), tmp / "rng.pt")
+        meta: dict[str, Any] = {
+            "format": CHECKPOINT_FORMAT,
+            "step": state.step,
+            "version": state.version,
+            "consumed_sample_ids": list(state.consumed_sample_ids),
+            "config": dataclasses.asdict(updater.config),
+        }
+        (tmp / "trainer_state.json").write_text(json.dumps(meta))
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def load_checkpoint(path: str | Path, updater: PolicyUpdater) -> TrainerState:
+    """Restore `updater` (in place) and every RNG from `path`; returns the trainer state."""
+    root = Path(path)
+    meta = json.loads((root / "trainer_state.json").read_text())
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{root}: unsupported checkpoint format {meta.get('format')!r}")
+    device = updater.device
+    updater.model.load_state_dict(torch.load(root / "model.pt", map_location=device))
+    updater.optimizer.load_state_dict(torch.load(root / "optimizer.pt", map_location=device))
+    updater.scheduler.load_state_dict(torch.load(root / "scheduler.pt"))
+    _restore_rng(torch.load(root / "rng.pt"), updater)
+    _warn_config_changes(meta.get("config", {}), updater.config)
+    return TrainerState(
+        step=int(meta["step"]),
+        version=int(meta["version"]),
+        consumed_sample_ids=tuple(meta["consumed_sample_ids"]),
+    )
+
+
+def _rng_state(updater: PolicyUpdater) -> dict[str, Any]:
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+    py_version, py_internal, py_gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "generator": updater.generator.get_state(),
+        "numpy": {
+            "kind": np_kind,
+            "keys": torch.from_numpy(np_keys.astype(np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "gauss": float(np_gauss),
+        },
+        "python": {
+            "version": py_version,
+            "internal": torch.tensor(py_internal, dtype=torch.int64),
+            "gauss": py_gauss,
+        },
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng(state: dict[str, Any], updater: PolicyUpdater) -> None:
+    torch.set_rng_state(state["torch"])
+    updater.generator.set_state(state["generator"])
+    np_state = state["numpy"]
+    np.random.set_state(
+        (
+            np_state["kind"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["gauss"],
+        )
+    )
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["internal"].tolist()), py["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _warn_config_changes(saved: dict[str, Any], current: PPOConfig) -> None:
+    now = dataclasses.asdict(current)
+    changed = {k: (saved[k], now[k]) for k in saved if k in now and _norm(saved[k]) != now[k]}
+    if changed:
+        logger.warning("resuming with a changed config (saved, now): %s", changed)
+
+
+def _norm(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value

@@ -1,0 +1,454 @@
+"""`PPOTrainer`: the async loop that pulls groups, trains on them and pushes weights.
+
+The loop (on the event loop) only waits: for the source, for the worker thread, for the
+weight sink. All torch work of a step (packing, forward/backward, optimizer, weight export)
+and checkpoint I/O runs in one dedicated worker thread, so `stats()`, `stop()` and everything
+else sharing the loop keep running while a step computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from ppo_trainer.advantages import grpo_advantages, rloo_advantages
+from ppo_trainer.batch import pack_batch
+from ppo_trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from ppo_trainer.config import PPOConfig
+from ppo_trainer.protocols import (
+    GroupSource,
+    MetricsSink,
+    MetricValue,
+    MultiModalInputsFn,
+    WeightSink,
+)
+from ppo_trainer.sources import iterate_groups
+from ppo_trainer.types import Trajectory
+from ppo_trainer.update import PolicyUpdater
+
+__all__ = ["PPOTrainer", "StopReason", "TrainSummary", "group_staleness"]
+
+logger = logging.getLogger(__name__)
+
+StopReason = Literal["end_of_stream", "stopped", "total_steps"]
+_T = TypeVar("_T")
+_END = object()  # sentinel: the source is exhausted
+_STOP = object()  # sentinel: stop() was requested while waiting
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSummary:
+    """What `PPOTrainer.train` returns after a clean end (not after a failure)."""
+
+    reason: StopReason
+    steps: int  # steps taken by this call
+    step: int  # the trainer's step counter afterwards (cumulative over resumes)
+    version: int
+    groups: int  # groups trained on by this call
+    samples: int  # trajectories trained on by this call
+    dropped_groups: int  # groups dropped as too stale by this call
+    tokens: int  # non-padding tokens trained on by this call
+    wall_s: float
+    idle_s: float  # time spent waiting for the source
+    idle_ratio: float
+    metrics: dict[str, MetricValue] = field(default_factory=dict)  # the last snapshot
+
+
+@dataclass(slots=True)
+class _Collected:
+    groups: list[list[Trajectory]] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)
+    dropped_ids: list[str] = field(default_factory=list)
+    dropped_groups: int = 0
+    ended: bool = False
+    stopped: bool = False
+
+
+def group_staleness(group: list[Trajectory], version: int) -> int:
+    """`version - min(token_versions)` over all tokens of the group (0 if it has none)."""
+    versions = [min(t.token_versions) for t in group if t.token_versions]
+    return version - min(versions) if versions else 0
+
+
+class PPOTrainer:
+    """Fully-async PPO/GRPO trainer of a causal LM (or Qwen2-VL) on groups from a source.
+
+    Each step: pull `config.batch_size` fresh groups (dropping any whose staleness exceeds
+    `max_staleness`), compute group advantages from `Trajectory.reward`, recompute proximal
+    log-probs, run the minibatch updates (decoupled PPO loss), and every `sync_every` steps
+    bump the policy version and `await weight_sink.push_weights(weights, version)`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: PPOConfig | None = None,
+        *,
+        weight_sink: WeightSink | None = None,
+        metrics_sink: MetricsSink | None = None,
+        ref_model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        mm_inputs_fn: MultiModalInputsFn | None = None,
+        pad_token_id: int = 0,
+    ) -> None:
+        self.config = config or PPOConfig()
+        self._updater = PolicyUpdater(model, self.config, optimizer=optimizer, ref_model=ref_model)
+        self._weight_sink = weight_sink
+        self._metrics_sink = metrics_sink
+        self._mm_inputs_fn = mm_inputs_fn
+        self._pad_token_id = pad_token_id
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppo-trainer")
+        self._step = 0
+        self._version = self.config.initial_version
+        self._consumed_ids: list[str] = []
+        self._dropped_total = 0
+        self._latest: dict[str, MetricValue] = {}
+        self._stop_requested = False
+        self._stop_event: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._running = False
+
+    # -- state ----------------------------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._updater.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._updater.optimizer
+
+    @property
+    def step(self) -> int:
+        """Trainer steps done so far (restored by `load_checkpoint`)."""
+        return self._step
+
+    @property
+    def version(self) -> int:
+        """Policy version of the current weights; +1 at every weight push."""
+        return self._version
+
+    @property
+    def consumed_sample_ids(self) -> tuple[str, ...]:
+        """`sample_id`s trained on or dropped so far (skip them when resuming a source)."""
+        return tuple(self._consumed_ids)
+
+    def stats(self) -> dict[str, MetricValue]:
+        """The latest metrics snapshot plus live counters; cheap, safe while a step runs."""
+        snapshot = dict(self._latest)
+        snapshot.update(
+            {
+                "trainer/step": float(self._step),
+                "trainer/version": float(self._version),
+                "trainer/running": float(self._running),
+                "staleness/dropped": float(self._dropped_total),
+            }
+        )
+        return snapshot
+
+    # -- control --------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Request a graceful stop: the running step (and its weight push) completes, a
+        pending wait for data is abandoned, then `train()` returns with reason "stopped".
+        Safe to call from any thread."""
+        self._stop_requested = True
+        loop, event = self._loop, self._stop_event
+        if loop is None or event is None:
+            return
+        if _running_loop() is loop:
+            event.set()
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(event.set)
+
+    def close(self) -> None:
+        """Release the worker thread (after any work in it finishes)."""
+        self._executor.shutdown(wait=False)
+
+    # -- training -------------------------------------------------------------------------
+
+    async def train(
+        self,
+        source: GroupSource,
+        *,
+        end_of_stream: tuple[type[BaseException], ...] = (),
+    ) -> TrainSummary:
+        """Train until the source ends, `stop()` is called or `config.total_steps` is reached.
+
+        `source` is an async iterable of groups (its end is the end of stream) or a
+        `BatchSource` (`next_batch(n, current_version)`; raising one of `end_of_stream` ends
+        the stream). Any other exception of the source (e.g. `ProducerFailed`) propagates
+        out of `train()` unchanged, with its `__cause__`. A non-empty partial batch at the
+        end of the stream is trained on.
+        """
+        if self._running:
+            raise RuntimeError("train() is already running")
+        self._running = True
+        self._loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        if self._stop_requested:
+            self._stop_event.set()
+        iterator = iterate_groups(
+            source, self.config.batch_size, lambda: self._version, end_of_stream
+        )
+        started = time.perf_counter()
+        idle_s = 0.0
+        steps = groups = samples = dropped = tokens = 0
+        reason: StopReason = "end_of_stream"
+        try:
+            while True:
+                total = self.config.total_steps
+                if total is not None and self._step >= total:
+                    reason = "total_steps"
+                    break
+                if self._stop_event.is_set():
+                    reason = "stopped"
+                    break
+                iteration_start = time.perf_counter()
+                collected = await self._collect(iterator)
+                wait_s = time.perf_counter() - iteration_start
+                idle_s += wait_s
+                if collected.stopped:
+                    reason = "stopped"  # a partial batch is discarded, not marked consumed
+                    break
+                dropped += collected.dropped_groups
+                self._consumed_ids.extend(collected.dropped_ids)
+                if collected.groups:
+                    step_tokens = await self._train_step(collected, wait_s, iteration_start)
+                    steps += 1
+                    groups += len(collected.groups)
+                    samples += sum(len(g) for g in collected.groups)
+                    tokens += step_tokens
+                if collected.ended:
+                    reason = "end_of_stream"
+                    break
+        finally:
+            self._running = False
+            self._stop_requested = False
+            self._stop_event = None
+            self._loop = None
+        wall_s = time.perf_counter() - started
+        summary = TrainSummary(
+            reason=reason,
+            steps=steps,
+            step=self._step,
+            version=self._version,
+            groups=groups,
+            samples=samples,
+            dropped_groups=dropped,
+            tokens=tokens,
+            wall_s=wall_s,
+            idle_s=idle_s,
+            idle_ratio=idle_s / wall_s if wall_s > 0 else 0.0,
+            metrics=dict(self._latest),
+        )
+        logger.info("training ended (%s) after %d steps, version %d", reason, steps, self._version)
+        return summary
+
+    async def _collect(self, iterator: AsyncIterator[list[Trajectory]]) -> _Collected:
+        """Pull groups until `batch_size` fresh ones, the end of the stream or a stop."""
+        collected = _Collected()
+        while len(collected.groups) < self.config.batch_size:
+            try:
+                item = await self._next_or_stop(iterator)
+            except Exception as exc:
+                exc.add_note(f"raised by the PPOTrainer source at step {self._step}")
+                logger.error("source failed at step %d: %r", self._step, exc)
+                raise
+            if item is _STOP:
+                collected.stopped = True
+                break
+            if item is _END:
+                collected.ended = True
+                break
+            group: list[Trajectory] = item  # type: ignore[assignment]
+            if not group:
+                continue
+            staleness = group_staleness(group, self._version)
+            if staleness > self.config.max_staleness:
+                self._dropped_total += 1
+                collected.dropped_groups += 1
+                collected.dropped_ids.extend(t.sample_id for t in group)
+                logger.warning(
+                    "dropped group %s: staleness %d > max_staleness %d",
+                    group[0].group_id,
+                    staleness,
+                    self.config.max_staleness,
+                )
+                continue
+            collected.groups.append(group)
+            collected.staleness.append(staleness)
+        return collected
+
+    async def _next_or_stop(self, iterator: AsyncIterator[list[Trajectory]]) -> object:
+        """The next group, `_END` at the end of the stream, or `_STOP` once stop() is called."""
+        assert self._stop_event is not None
+        if self._stop_event.is_set():
+            return _STOP
+        fetch = asyncio.ensure_future(_next_item(iterator))
+        stop_wait = asyncio.ensure_future(self._stop_event.wait())
+        try:
+            await asyncio.wait({fetch, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop_wait.cancel()
+            if not fetch.done():
+                fetch.cancel()
+        if fetch.done() and not fetch.cancelled():
+            return fetch.result()
+        return _STOP
+
+    async def _train_step(
+        self, collected: _Collected, wait_s: float, iteration_start: float
+    ) -> int:
+        """Run one step in the worker thread, push weights if due, log metrics."""
+        sync_due = (self._step + 1) % self.config.sync_every == 0
+        result = await self._in_worker(self._step_in_worker, collected.groups, sync_due)
+        self._step += 1
+        self._consumed_ids.extend(t.sample_id for g in collected.groups for t in g)
+        metrics: dict[str, MetricValue] = dict(result.metrics)
+        if sync_due:
+            self._version += 1
+            sync_started = time.perf_counter()
+            if self._weight_sink is not None and result.weights is not None:
+                await self._weight_sink.push_weights(result.weights, self._version)
+            metrics["weights/sync_s"] = result.export_s + time.perf_counter() - sync_started
+        iteration_s = time.perf_counter() - iteration_start
+        metrics.update(_staleness_metrics(collected.staleness, self.config.max_staleness))
+        metrics.update(
+            {
+                "trainer/step_s": result.step_s,
+                "trainer/wait_s": wait_s,
+                "trainer/idle_ratio": wait_s / iteration_s if iteration_s > 0 else 0.0,
+                "tokens/s": result.tokens / result.step_s if result.step_s > 0 else 0.0,
+                "reward/mean": result.reward_mean,
+                "trainer/groups": float(len(collected.groups)),
+                "trainer/samples": float(sum(len(g) for g in collected.groups)),
+                "trainer/version": float(self._version),
+                "staleness/dropped": float(self._dropped_total),
+            }
+        )
+        self._latest = metrics
+        if self._metrics_sink is not None:
+            self._metrics_sink.log(metrics, self._step)
+        every = self.config.checkpoint_every
+        if every and self._step % every == 0 and self.config.checkpoint_dir is not None:
+            await self.save_checkpoint(Path(self.config.checkpoint_dir) / f"step_{self._step:06d}")
+        return result.tokens
+
+    def _step_in_worker(self, groups: list[list[Trajectory]], export: bool) -> _StepResult:
+        started = time.perf_counter()
+        trajectories = [t for group in groups for t in group]
+        advantages = [a for group in groups for a in self._advantages(group)]
+        batch = pack_batch(
+            trajectories,
+            advantages,
+            pad_token_id=self._pad_token_id,
+            mm_inputs_fn=self._mm_inputs_fn,
+        )
+        metrics = self._updater.step(batch)
+        step_s = time.perf_counter() - started
+        weights, export_s = None, 0.0
+        if export and self._weight_sink is not None:
+            export_started = time.perf_counter()
+            weights = self._updater.export_weights()
+            export_s = time.perf_counter() - export_started
+        rewards = [t.reward for t in trajectories]
+        return _StepResult(
+            metrics=metrics,
+            weights=weights,
+            step_s=step_s,
+            export_s=export_s,
+            tokens=batch.num_tokens,
+            reward_mean=sum(rewards) / len(rewards),
+        )
+
+    def _advantages(self, group: list[Trajectory]) -> list[float]:
+        rewards = torch.tensor([[t.reward for t in group]], dtype=torch.float32)
+        if self.config.advantage == "rloo":
+            adv = rloo_advantages(rewards)
+        else:
+            adv = grpo_advantages(rewards, norm_std=self.config.norm_std, eps=self.config.adv_eps)
+        return adv[0].tolist()
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    async def save_checkpoint(self, path: str | Path) -> Path:
+        """Save model, optimizer, scheduler, RNGs, step, version and consumed ids to `path`.
+
+        Runs in the worker thread, so it never overlaps a step."""
+        state = TrainerState(
+            step=self._step, version=self._version, consumed_sample_ids=tuple(self._consumed_ids)
+        )
+        saved = await self._in_worker(save_checkpoint, path, self._updater, state)
+        logger.info("saved checkpoint %s (step %d)", saved, self._step)
+        return saved
+
+    async def load_checkpoint(self, path: str | Path) -> None:
+        """Restore everything `save_checkpoint` wrote, into this trainer's model/optimizer."""
+        if self._running:
+            raise RuntimeError("cannot load a checkpoint while train() is running")
+        state = await self._in_worker(load_checkpoint, path, self._updater)
+        self._step = state.step
+        self._version = state.version
+        self._consumed_ids = list(state.consumed_sample_ids)
+        logger.info("loaded checkpoint %s (step %d, version %d)", path, self._step, self._version)
+
+    @classmethod
+    async def resume(
+        cls,
+        path: str | Path,
+        model: torch.nn.Module,
+        config: PPOConfig | None = None,
+        **kwargs: Any,
+    ) -> PPOTrainer:
+        """A new trainer around `model` (same architecture) restored from checkpoint `path`."""
+        trainer = cls(model, config, **kwargs)
+        await trainer.load_checkpoint(path)
+        return trainer
+
+    async def _in_worker(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+
+@dataclass(frozen=True, slots=True)
+class _StepResult:
+    metrics: dict[str, float]
+    weights: dict[str, torch.Tensor] | None
+    step_s: float
+    export_s: float
+    tokens: int
+    reward_mean: float
+
+
+async def _next_item(iterator: AsyncIterator[_T]) -> _T | object:
+    try:
+        return await anext(iterator)
+    except StopAsyncIteration:
+        return _END
+
+
+def _staleness_metrics(staleness: list[int], max_staleness: int) -> dict[str, MetricValue]:
+    """mean/max and a histogram: `staleness/hist[s]` = groups consumed with staleness s."""
+    hist = [0] * (max(max_staleness, max(staleness, default=0)) + 1)
+    for value in staleness:
+        hist[max(value, 0)] += 1
+    return {
+        "staleness/mean": sum(staleness) / len(staleness) if staleness else 0.0,
+        "staleness/max": float(max(staleness, default=0)),
+        "staleness/hist": hist,
+    }
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

@@ -1,0 +1,192 @@
+"""One GRPO group: preprocess, generate `n` responses (continuing aborted ones), score.
+
+The rollouter runs one `GroupRunner.run(job)` per admitted prompt as an asyncio task; the
+staleness check and the delivery to the sink stay in the rollouter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+from rollout_engine.continuation import PartialResponse, continue_aborted
+from rollout_engine.types import (
+    GenerationEngine,
+    MultiModalPreprocessor,
+    MultiModalRef,
+    PromptSample,
+    RewardFn,
+    SamplingConfig,
+    Timings,
+    Trajectory,
+)
+
+__all__ = ["GroupJob", "GroupRunner", "MultiModalInputs", "image_sources"]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupJob:
+    """An admitted prompt: what its task needs and what a failure record reports."""
+
+    sample: PromptSample
+    group_id: str
+    version: int  # rollouter version at admission
+    admitted_wall: float  # time.time(), for Timings
+    admitted_at: float  # rollouter clock, for durations
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalInputs:
+    engine_data: dict[str, Any] | None = None
+    ref: MultiModalRef | None = None
+
+
+class GroupRunner:
+    """Turns a `GroupJob` into `n` scored trajectories.
+
+    `wait_until_resumed` blocks while a weight push is in progress (continuations wait on
+    it); `on_resubmit` is awaited once per continuation request (for the `resumed` count).
+    A reward function with a truthy `blocking` attribute runs in `reward_executor`.
+    """
+
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        reward_fn: RewardFn,
+        *,
+        group_size: int,
+        sampling: SamplingConfig,
+        preprocessor: MultiModalPreprocessor | None,
+        wait_until_resumed: Callable[[], Awaitable[Any]],
+        on_resubmit: Callable[[], Awaitable[None]],
+        clock: Callable[[], float],
+        reward_executor: Callable[[], Executor],
+    ) -> None:
+        self._engine = engine
+        self._reward_fn = reward_fn
+        self._group_size = group_size
+        self._sampling = sampling
+        self._preprocessor = preprocessor
+        self._wait_until_resumed = wait_until_resumed
+        self._on_resubmit = on_resubmit
+        self._clock = clock
+        self._reward_executor = reward_executor
+
+    async def run(self, job: GroupJob) -> list[Trajectory]:
+        multimodal = await self._prepare_multimodal(job.sample)
+        responses = await self._generate(job, multimodal.engine_data)
+        trajectories = self._trajectories(job, responses, multimodal.ref)
+        await self._score(job.sample, trajectories)
+        return trajectories
+
+    async def _prepare_multimodal(self, sample: PromptSample) -> MultiModalInputs:
+        if sample.messages is None:
+            return MultiModalInputs()
+        if self._preprocessor is None:
+            raise ValueError(f"prompt {sample.prompt_id} has messages but no preprocessor is set")
+        # The preprocessor decodes images in its own bounded executor; result[0] = images.
+        result = await self._preprocessor.process_vision_info(sample.messages)
+        images = result[0]
+        ref = MultiModalRef(
+            messages_json=json.dumps(sample.messages, default=str),
+            image_sources=image_sources(sample.messages),
+        )
+        return MultiModalInputs(engine_data={"image": images} if images else None, ref=ref)
+
+    async def _generate(
+        self, job: GroupJob, multi_modal_data: dict[str, Any] | None
+    ) -> list[PartialResponse]:
+        prompt_ids = list(job.sample.prompt_ids)
+        completions = await self._engine.generate(
+            job.group_id,
+            prompt_ids,
+            self._sampling,
+            n=self._group_size,
+            multi_modal_data=multi_modal_data,
+        )
+        if len(completions) != self._group_size:
+            raise RuntimeError(
+                f"engine returned {len(completions)} completions for n={self._group_size}"
+            )
+        responses = [PartialResponse.from_completion(c) for c in completions]
+        continuations = [
+            continue_aborted(
+                self._engine,
+                response,
+                request_id=f"{job.group_id}:{index}",
+                prompt_ids=prompt_ids,
+                sampling=self._sampling,
+                multi_modal_data=multi_modal_data,
+                wait_until_resumed=self._wait_until_resumed,
+                on_resubmit=self._on_resubmit,
+            )
+            for index, response in enumerate(responses)
+            if response.aborted
+        ]
+        if continuations:
+            # Let every continuation finish, then fail the group on the first error.
+            results = await asyncio.gather(*continuations, return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+        return responses
+
+    def _trajectories(
+        self, job: GroupJob, responses: list[PartialResponse], ref: MultiModalRef | None
+    ) -> list[Trajectory]:
+        finished_wall = time.time()
+        generation_s = self._clock() - job.admitted_at
+        return [
+            Trajectory(
+                sample_id=f"{job.group_id}:{index}",
+                group_id=job.group_id,
+                prompt_ids=list(job.sample.prompt_ids),
+                response_ids=response.token_ids,
+                behaviour_logprobs=response.logprobs,
+                token_versions=response.versions,
+                finish_reason=response.finish_reason,
+                timings=Timings(
+                    admitted_at=job.admitted_wall,
+                    finished_at=finished_wall,
+                    generation_s=generation_s,
+                ),
+                multimodal=ref,
+                num_resumes=response.resumes,
+            )
+            for index, response in enumerate(responses)
+        ]
+
+    async def _score(self, sample: PromptSample, trajectories: list[Trajectory]) -> None:
+        if getattr(self._reward_fn, "blocking", False):
+            loop = asyncio.get_running_loop()
+            rewards = await loop.run_in_executor(
+                self._reward_executor(), _score_all, self._reward_fn, sample, trajectories
+            )
+        else:
+            rewards = _score_all(self._reward_fn, sample, trajectories)
+        for trajectory, reward in zip(trajectories, rewards, strict=True):
+            trajectory.reward = reward
+
+
+def _score_all(
+    reward_fn: RewardFn, sample: PromptSample, trajectories: list[Trajectory]
+) -> list[float]:
+    return [float(reward_fn(sample, trajectory)) for trajectory in trajectories]
+
+
+def image_sources(messages: list[dict[str, Any]]) -> list[str]:
+    """The `image` entries (paths/URIs) of qwen-vl-utils style chat messages."""
+    sources: list[str] = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for item in content:
+            if isinstance(item, dict) and isinstance(item.get("image"), str):
+                sources.append(item["image"])
+    return sources

@@ -1,0 +1,177 @@
+"""Counters, idle-time accounting and the metric names of the rollouter.
+
+Metric names are part of the interface (design.md):
+
+- `rollout/idle_ratio`: idle seconds / run seconds, where the rollouter is idle while a weight
+  push holds it paused (from `pause()` to `on_weights()`: nothing generates new tokens for
+  us) and while the admission budget is exhausted with no group in flight. Summed over all
+  such windows.
+- `rollout/active_tasks`: groups in flight now.
+- `rollout/partial_ratio`: delivered responses whose tokens come from more than one weight
+  version (generated across a push, in keep or abort mode) / delivered responses.
+- `rollout/drain_interrupt_ms`: the last measured time from `on_weights()` (while the loop
+  was blocked on a pause or the budget) to the loop dispatching its next group.
+- `staleness/mean`, `staleness/max`: `v_now - min(token versions)` of delivered responses,
+  measured at delivery, over the whole run.
+- `tokens/s`: tokens generated (delivered and dropped groups) / run seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+__all__ = [
+    "METRIC_NAMES",
+    "STATS_SCHEMA_VERSION",
+    "FailedSample",
+    "GroupOutcome",
+    "IdleClock",
+    "RolloutCounters",
+    "RolloutStats",
+    "count_partial",
+]
+
+STATS_SCHEMA_VERSION = 1
+
+METRIC_NAMES = (
+    "rollout/idle_ratio",
+    "rollout/active_tasks",
+    "rollout/partial_ratio",
+    "rollout/drain_interrupt_ms",
+    "staleness/mean",
+    "staleness/max",
+    "tokens/s",
+)
+
+
+class FailedSample(msgspec.Struct, kw_only=True):
+    """A group that never reached the sink because its task raised (or was cancelled)."""
+
+    schema_version: int = STATS_SCHEMA_VERSION
+    sample_id: str  # PromptSample.prompt_id
+    group_id: str
+    error_type: str
+    message: str
+    cancelled: bool  # CancelledError or Ray's TaskCancelledError
+    version: int  # rollouter version when the group was admitted
+
+
+class RolloutStats(msgspec.Struct, kw_only=True):
+    """A snapshot of the rollouter. Counts are groups unless named otherwise.
+
+    Invariant at every snapshot: `admitted == delivered + failed + dropped + in_flight`.
+    """
+
+    schema_version: int = STATS_SCHEMA_VERSION
+    admitted: int = 0
+    delivered: int = 0
+    failed: int = 0
+    dropped: int = 0  # too stale at delivery (see admission.py)
+    in_flight: int = 0
+    version: int = 0
+    budget: int = 0
+    state: str = "idle"
+    trajectories: int = 0  # delivered responses
+    partial: int = 0  # delivered responses spanning more than one weight version
+    resumed: int = 0  # continuation requests sent after an abort
+    generated_tokens: int = 0
+    elapsed_s: float = 0.0
+    idle_s: float = 0.0
+    drain_interrupt_ms: float = 0.0
+    drain_interrupt_ms_max: float = 0.0
+    staleness_mean: float = 0.0
+    staleness_max: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GroupOutcome:
+    """What a finished group task reports back to the loop."""
+
+    delivered: bool
+    staleness: tuple[int, ...]  # per response, at delivery
+    generated_tokens: int
+    partial: int
+
+
+class IdleClock:
+    """Sums the time spent in idle windows, given the idle state at each transition."""
+
+    def __init__(self) -> None:
+        self._started: float | None = None
+        self._stopped: float | None = None
+        self._idle_since: float | None = None
+        self._idle_total = 0.0
+
+    def start(self, now: float) -> None:
+        self._started = now
+
+    def stop(self, now: float) -> None:
+        self.set_idle(False, now)
+        self._stopped = now
+
+    def set_idle(self, idle: bool, now: float) -> None:
+        if self._started is None or self._stopped is not None:
+            return
+        if idle and self._idle_since is None:
+            self._idle_since = now
+        elif not idle and self._idle_since is not None:
+            self._idle_total += now - self._idle_since
+            self._idle_since = None
+
+    def elapsed(self, now: float) -> float:
+        if self._started is None:
+            return 0.0
+        end = self._stopped if self._stopped is not None else now
+        return max(0.0, end - self._started)
+
+    def idle(self, now: float) -> float:
+        running = now - self._idle_since if self._idle_since is not None else 0.0
+        return self._idle_total + running
+
+
+@dataclass
+class RolloutCounters:
+    """Cumulative counts; mutated only by the rollouter under its state lock."""
+
+    admitted: int = 0
+    delivered: int = 0
+    failed: int = 0
+    dropped: int = 0
+    trajectories: int = 0
+    partial: int = 0
+    resumed: int = 0
+    generated_tokens: int = 0
+    staleness_sum: int = 0
+    staleness_max: int = 0
+    drain_interrupts_ms: list[float] = field(default_factory=list)
+
+    def record(self, outcome: GroupOutcome) -> None:
+        self.generated_tokens += outcome.generated_tokens
+        if not outcome.delivered:
+            self.dropped += 1
+            return
+        self.delivered += 1
+        self.trajectories += len(outcome.staleness)
+        self.partial += outcome.partial
+        self.staleness_sum += sum(outcome.staleness)
+        self.staleness_max = max(self.staleness_max, *outcome.staleness, 0)
+
+    @property
+    def staleness_mean(self) -> float:
+        return self.staleness_sum / self.trajectories if self.trajectories else 0.0
+
+    @property
+    def partial_ratio(self) -> float:
+        return self.partial / self.trajectories if self.trajectories else 0.0
+
+    @property
+    def last_drain_interrupt_ms(self) -> float:
+        return self.drain_interrupts_ms[-1] if self.drain_interrupts_ms else 0.0
+
+
+def count_partial(token_versions: Sequence[Sequence[int]]) -> int:
+    """Responses whose tokens come from more than one weight version."""
+    return sum(1 for versions in token_versions if len(set(versions)) > 1)

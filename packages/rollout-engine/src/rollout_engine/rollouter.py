@@ -1,0 +1,535 @@
+"""The rollouter: streams prompts to a generation engine, one GRPO group per task.
+
+Dispatch loop (`run`), one iteration:
+
+1. reap finished group tasks from `active` (always the same set object; never rebound) and
+   account for them: delivered, dropped (too stale) or failed (any exception, including
+   `CancelledError` and Ray's `TaskCancelledError`; never fatal to the loop);
+2. make sure one prompt is fetched (prefetched, so a resume dispatches without waiting for
+   the prompt source);
+3. if admission is open (not paused by a weight push, staleness budget > 0, fewer than
+   `max_concurrency` groups in flight), start the group as a task;
+4. otherwise wait on `active | {resume}` with `FIRST_COMPLETED`: a finished task or
+   `on_weights()` ends the wait at once. The loop never waits for the slowest sequence.
+
+Async rules (design.md): counters and the task set are changed under `asyncio.Lock` in short
+critical sections with no await inside; the lock is never held while waiting on generation.
+"Running vs paused" is the `asyncio.Event` `_running`: cleared by `pause()` (weight push) and
+when the budget is exhausted, set by `on_weights()`. Weight pushes are serialized by a second
+lock that the dispatch loop never takes.
+
+Staleness: see `rollout_engine.admission` for the budget
+`(k + 1 + v) * batch_size * sync_every - (delivered + in_flight)` and for why groups are
+also checked (and dropped, counted) at delivery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterable, Callable, Iterable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rollout_engine.admission import AdmissionPolicy
+from rollout_engine.group import GroupJob, GroupRunner
+from rollout_engine.metrics import (
+    FailedSample,
+    GroupOutcome,
+    IdleClock,
+    RolloutCounters,
+    RolloutStats,
+    count_partial,
+)
+from rollout_engine.types import (
+    GenerationEngine,
+    MultiModalPreprocessor,
+    PauseMode,
+    PromptSample,
+    RewardFn,
+    SamplingConfig,
+    Trajectory,
+    TrajectorySink,
+)
+
+__all__ = [
+    "FailedSample",
+    "LoopState",
+    "RolloutConfig",
+    "RolloutStats",
+    "Rollouter",
+    "is_cancellation",
+]
+
+logger = logging.getLogger(__name__)
+
+LoopState = Literal[
+    "idle",  # run() not started
+    "fetching",  # waiting for the prompt source
+    "admitting",  # just dispatched a group
+    "saturated",  # max_concurrency groups in flight
+    "draining",  # admission budget exhausted; waiting for a task or on_weights()
+    "paused",  # a weight push is in progress; waiting for on_weights()
+    "finishing",  # prompts exhausted; waiting for the last groups
+    "stopped",
+    "finished",
+]
+_Blocker = Literal["paused", "budget", "concurrency"]
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutConfig:
+    """How the rollouter admits, generates and syncs. Counts are groups (prompts).
+
+    `samples_per_version = batch_size * sync_every` groups are consumed per weight version;
+    at most `max_staleness = k` versions may separate a delivered response's oldest token
+    from the rollouter's version. `partial_rollout=False` makes a weight push wait for every
+    in-flight request (pause mode "wait"); otherwise requests are kept or aborted
+    (`pause_mode`) and continue with the new weights.
+    """
+
+    group_size: int = 8
+    max_concurrency: int = 16
+    batch_size: int = 16
+    sync_every: int = 1
+    max_staleness: int = 2
+    partial_rollout: bool = True
+    pause_mode: Literal["keep", "abort"] = "keep"
+    clear_cache: bool = True
+    sampling: SamplingConfig = SamplingConfig()
+    # Threads for a reward function marked `blocking = True` (it then runs off the loop).
+    reward_workers: int = 1
+    # How long stop() waits for cancelled tasks to unwind.
+    stop_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "max_concurrency", "batch_size", "sync_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.pause_mode not in ("keep", "abort"):
+            raise ValueError(f"pause_mode must be 'keep' or 'abort', got {self.pause_mode!r}")
+
+    @property
+    def samples_per_version(self) -> int:
+        return self.batch_size * self.sync_every
+
+    @property
+    def push_pause_mode(self) -> PauseMode:
+        """The engine pause mode used by `update_weights`."""
+        return self.pause_mode if self.partial_rollout else "wait"
+
+
+def is_cancellation(error: BaseException) -> bool:
+    """`CancelledError`, or Ray's `TaskCancelledError` (matched by class name: no ray import)."""
+    if isinstance(error, asyncio.CancelledError):
+        return True
+    return any(cls.__name__ == "TaskCancelledError" for cls in type(error).__mro__)
+
+
+class _PromptSource:
+    """Reads an iterable or async iterable of prompts one at a time."""
+
+    def __init__(self, prompts: Iterable[PromptSample] | AsyncIterable[PromptSample]) -> None:
+        self._async = aiter(prompts) if isinstance(prompts, AsyncIterable) else None
+        self._sync = iter(prompts) if not isinstance(prompts, AsyncIterable) else None
+
+    async def next(self) -> PromptSample | None:
+        """The next prompt, or None once the prompts are exhausted."""
+        if self._sync is not None:
+            return next(self._sync, None)
+        assert self._async is not None
+        try:
+            return await anext(self._async)
+        except StopAsyncIteration:
+            return None
+
+
+class Rollouter:
+    """Streams prompts to `engine`, puts each finished group of `group_size` trajectories
+    into `sink`, under the staleness budget; see the module docstring for the loop.
+
+    `reward_fn(sample, trajectory)` sets each trajectory's reward before delivery.
+    `clock` (monotonic seconds) times the metrics.
+    """
+
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        prompts: Iterable[PromptSample] | AsyncIterable[PromptSample],
+        sink: TrajectorySink,
+        reward_fn: RewardFn,
+        config: RolloutConfig | None = None,
+        preprocessor: MultiModalPreprocessor | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine = engine
+        self._sink = sink
+        self._config = config = config if config is not None else RolloutConfig()
+        self._clock = clock
+        self._prompts = _PromptSource(prompts)
+        self._version = engine.version
+        self._admission = AdmissionPolicy(
+            config.max_staleness, config.samples_per_version, base_version=self._version
+        )
+        # Shared state; changed only under _lock, in critical sections without awaits.
+        self._lock = asyncio.Lock()
+        self._active: set[asyncio.Task[GroupOutcome]] = set()
+        self._jobs: dict[asyncio.Task[GroupOutcome], GroupJob] = {}
+        self._counters = RolloutCounters()
+        self.failures: list[FailedSample] = []
+        # Signals.
+        self._running = asyncio.Event()  # set: admitting; clear: paused (push or budget)
+        self._running.set()
+        self._weights_live = asyncio.Event()  # clear while a weight push is in progress
+        self._weights_live.set()
+        self._stop_requested = asyncio.Event()
+        self._weights_lock = asyncio.Lock()  # serializes update_weights
+        self._sync_paused = False
+        # Loop bookkeeping.
+        self._pending: PromptSample | None = None
+        self._state: LoopState = "idle"
+        self._resumed_at: float | None = None
+        self._idle = IdleClock()
+        self._run_started = False
+        self._reward_pool: ThreadPoolExecutor | None = None
+        self._groups = GroupRunner(
+            engine,
+            reward_fn,
+            group_size=config.group_size,
+            sampling=config.sampling,
+            preprocessor=preprocessor,
+            wait_until_resumed=self._weights_live.wait,
+            on_resubmit=self._count_resubmit,
+            clock=clock,
+            reward_executor=self._reward_executor,
+        )
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def config(self) -> RolloutConfig:
+        return self._config
+
+    @property
+    def version(self) -> int:
+        """The weight version the rollouter last heard of (`on_weights`)."""
+        return self._version
+
+    @property
+    def state(self) -> LoopState:
+        return self._state
+
+    async def run(self) -> RolloutStats:
+        """Dispatch until the prompts are exhausted (then deliver what is in flight) or
+        `stop()` is called. Returns the final stats."""
+        if self._run_started:
+            raise RuntimeError("Rollouter.run() can only be called once")
+        self._run_started = True
+        self._idle.start(self._clock())
+        try:
+            await self._dispatch_until_exhausted()
+            await self._wait_for_in_flight()
+        finally:
+            await self._cancel_in_flight()
+            self._set_state("stopped" if self._stop_requested.is_set() else "finished")
+            self._idle.stop(self._clock())
+            if self._reward_pool is not None:
+                self._reward_pool.shutdown(wait=False, cancel_futures=True)
+        stats = self.stats()
+        logger.info(
+            "rollout %s: %d admitted, %d delivered, %d failed, %d dropped",
+            stats.state,
+            stats.admitted,
+            stats.delivered,
+            stats.failed,
+            stats.dropped,
+        )
+        return stats
+
+    async def stop(self) -> None:
+        """Cancel every in-flight group (each becomes a failed sample) and make `run()`
+        return. Returns once the cancelled tasks have unwound (or `stop_timeout_s`)."""
+        self._stop_requested.set()
+        await self._cancel_in_flight()
+
+    async def update_weights(self, weights: Any, version: int) -> None:
+        """Pause the engine (`pause_mode`, or "wait" without partial rollout), load the
+        weights, resume it, then `on_weights(version)`. If loading fails the engine is
+        resumed with the old weights and the error is raised."""
+        async with self._weights_lock:
+            self.pause()
+            loaded = False
+            try:
+                await self._engine.pause(
+                    mode=self._config.push_pause_mode, clear_cache=self._config.clear_cache
+                )
+                await self._engine.load_weights(weights, version)
+                loaded = True
+            finally:
+                await self._engine.resume()
+                self.on_weights(version if loaded else self._version)
+
+    def pause(self) -> None:
+        """Stop admitting and hold aborted-request continuations until `on_weights()`.
+
+        `update_weights` calls it; call it yourself if weights reach the engine another way.
+        """
+        self._sync_paused = True
+        self._running.clear()
+        self._weights_live.clear()
+        self._refresh_idle()
+
+    def on_weights(self, version: int) -> None:
+        """The engine now serves `version`: reset the budget (it is computed from the
+        version) and wake the dispatch loop at once. Call it after every weight push."""
+        if version < self._version:
+            logger.warning("weight version went backwards: %d -> %d", self._version, version)
+        if self._state in ("draining", "paused"):
+            self._resumed_at = self._clock()
+        self._version = version
+        self._sync_paused = False
+        self._weights_live.set()
+        self._running.set()
+        self._refresh_idle()
+
+    def stats(self) -> RolloutStats:
+        """A snapshot; cheap and lock-free (safe to call while the loop waits)."""
+        now = self._clock()
+        counters = self._counters
+        return RolloutStats(
+            admitted=counters.admitted,
+            delivered=counters.delivered,
+            failed=counters.failed,
+            dropped=counters.dropped,
+            in_flight=len(self._active),
+            version=self._version,
+            budget=self._budget(),
+            state=self._state,
+            trajectories=counters.trajectories,
+            partial=counters.partial,
+            resumed=counters.resumed,
+            generated_tokens=counters.generated_tokens,
+            elapsed_s=self._idle.elapsed(now),
+            idle_s=self._idle.idle(now),
+            drain_interrupt_ms=counters.last_drain_interrupt_ms,
+            drain_interrupt_ms_max=max(counters.drain_interrupts_ms, default=0.0),
+            staleness_mean=counters.staleness_mean,
+            staleness_max=counters.staleness_max,
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """The rollouter's metrics under design.md's names (see `rollout_engine.metrics`)."""
+        stats = self.stats()
+        elapsed = stats.elapsed_s
+        return {
+            "rollout/idle_ratio": stats.idle_s / elapsed if elapsed > 0 else 0.0,
+            "rollout/active_tasks": float(stats.in_flight),
+            "rollout/partial_ratio": self._counters.partial_ratio,
+            "rollout/drain_interrupt_ms": stats.drain_interrupt_ms,
+            "staleness/mean": stats.staleness_mean,
+            "staleness/max": float(stats.staleness_max),
+            "tokens/s": stats.generated_tokens / elapsed if elapsed > 0 else 0.0,
+        }
+
+    # ------------------------------------------------------------------ dispatch loop
+
+    async def _dispatch_until_exhausted(self) -> None:
+        while not self._stop_requested.is_set():
+            await self._reap_finished()
+            if self._pending is None:
+                self._pending = await self._fetch_prompt()
+                if self._pending is None:
+                    return  # prompts exhausted (or stop requested)
+                continue
+            blocker = self._admission_blocker()
+            if blocker is None:
+                await self._dispatch(self._pending)
+                self._pending = None
+            else:
+                await self._wait_while_blocked(blocker)
+
+    def _admission_blocker(self) -> _Blocker | None:
+        if self._sync_paused:
+            return "paused"
+        if self._budget() <= 0:
+            return "budget"
+        if len(self._active) >= self._config.max_concurrency:
+            return "concurrency"
+        return None
+
+    def _budget(self) -> int:
+        return self._admission.budget(self._version, self._counters.delivered, len(self._active))
+
+    async def _wait_while_blocked(self, blocker: _Blocker) -> None:
+        if blocker == "concurrency":
+            self._set_state("saturated")
+            await self._wait_first()
+            return
+        # Paused or out of budget: the drain wait. It ends when any task finishes or when
+        # on_weights() sets `_running`, whichever is first; the state lock is not held.
+        self._running.clear()
+        self._set_state("paused" if blocker == "paused" else "draining")
+        await self._wait_first(events=(self._running,))
+
+    async def _wait_first(
+        self,
+        events: tuple[asyncio.Event, ...] = (),
+        futures: tuple[asyncio.Future[Any], ...] = (),
+    ) -> None:
+        """Wait for the first of: an active task finishing, an event, a future, stop()."""
+        waiters = [asyncio.ensure_future(e.wait()) for e in (*events, self._stop_requested)]
+        try:
+            await asyncio.wait(
+                {*self._active, *futures, *waiters}, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        await self._reap_finished()
+
+    async def _fetch_prompt(self) -> PromptSample | None:
+        """The next prompt; finished tasks keep being reaped while the source is slow."""
+        self._set_state("fetching")
+        fetch = asyncio.ensure_future(self._prompts.next())
+        try:
+            while not fetch.done() and not self._stop_requested.is_set():
+                await self._wait_first(futures=(fetch,))
+        finally:
+            if not fetch.done():
+                fetch.cancel()
+        if self._stop_requested.is_set() and not fetch.done():
+            return None
+        return await fetch
+
+    async def _dispatch(self, sample: PromptSample) -> None:
+        async with self._lock:
+            now = self._clock()
+            job = GroupJob(
+                sample=sample,
+                group_id=f"{sample.prompt_id}:{self._counters.admitted}",
+                version=self._version,
+                admitted_wall=time.time(),
+                admitted_at=now,
+            )
+            task = asyncio.create_task(self._run_group(job), name=f"rollout:{job.group_id}")
+            self._active.add(task)
+            self._jobs[task] = job
+            self._counters.admitted += 1
+            self._running.set()
+            if self._resumed_at is not None:
+                self._counters.drain_interrupts_ms.append((now - self._resumed_at) * 1e3)
+                self._resumed_at = None
+        self._set_state("admitting")
+
+    async def _wait_for_in_flight(self) -> None:
+        while self._active and not self._stop_requested.is_set():
+            self._set_state("finishing")
+            await self._wait_first()
+
+    async def _cancel_in_flight(self) -> None:
+        tasks = list(self._active)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self._config.stop_timeout_s)
+            if pending:
+                logger.warning("%d group tasks did not unwind after cancel", len(pending))
+        await self._reap_finished()
+
+    # ------------------------------------------------------------------ one group
+
+    async def _run_group(self, job: GroupJob) -> GroupOutcome:
+        trajectories = await self._groups.run(job)
+        outcome = self._outcome(job, trajectories)
+        if not outcome.delivered:
+            logger.info(
+                "dropping group %s: staleness %d > max_staleness %d",
+                job.group_id,
+                max(outcome.staleness),
+                self._config.max_staleness,
+            )
+            return outcome
+        await self._sink.put(trajectories)
+        return outcome
+
+    def _outcome(self, job: GroupJob, trajectories: list[Trajectory]) -> GroupOutcome:
+        """Staleness against the current version; `delivered=False` means drop."""
+        staleness = tuple(
+            self._admission.staleness(self._version, t.token_versions, job.version)
+            for t in trajectories
+        )
+        return GroupOutcome(
+            delivered=not self._admission.too_stale(max(staleness, default=0)),
+            staleness=staleness,
+            generated_tokens=sum(len(t.response_ids) for t in trajectories),
+            partial=count_partial([t.token_versions for t in trajectories]),
+        )
+
+    async def _count_resubmit(self) -> None:
+        async with self._lock:
+            self._counters.resumed += 1
+
+    def _reward_executor(self) -> Executor:
+        if self._reward_pool is None:
+            self._reward_pool = ThreadPoolExecutor(
+                max_workers=self._config.reward_workers, thread_name_prefix="rollout-reward"
+            )
+        return self._reward_pool
+
+    # ------------------------------------------------------------------ accounting
+
+    async def _reap_finished(self) -> None:
+        """Remove finished tasks from `_active` (the same set object) and account for them."""
+        if not any(task.done() for task in self._active):
+            return
+        async with self._lock:
+            for task in [task for task in self._active if task.done()]:
+                self._active.discard(task)
+                self._account(task, self._jobs.pop(task))
+        self._refresh_idle()
+
+    def _account(self, task: asyncio.Task[GroupOutcome], job: GroupJob) -> None:
+        if task.cancelled():
+            reason = "stopped" if self._stop_requested.is_set() else "group task cancelled"
+            self._record_failure(job, asyncio.CancelledError(reason))
+            return
+        error = task.exception()
+        if error is not None:
+            self._record_failure(job, error)
+            return
+        self._counters.record(task.result())
+
+    def _record_failure(self, job: GroupJob, error: BaseException) -> None:
+        failure = FailedSample(
+            sample_id=job.sample.prompt_id,
+            group_id=job.group_id,
+            error_type=type(error).__name__,
+            message=str(error) or repr(error),
+            cancelled=is_cancellation(error),
+            version=job.version,
+        )
+        self._counters.failed += 1
+        self.failures.append(failure)
+        level = logging.DEBUG if self._stop_requested.is_set() else logging.WARNING
+        logger.log(
+            level,
+            "group %s failed (%s: %s); counted as a failed sample",
+            job.group_id,
+            failure.error_type,
+            failure.message,
+            exc_info=None if failure.cancelled else error,
+        )
+
+    def _set_state(self, state: LoopState) -> None:
+        self._state = state
+        self._refresh_idle()
+
+    def _refresh_idle(self) -> None:
+        """Idle = a weight push holds us paused, or the budget is out and nothing is in flight."""
+        out_of_budget = self._state == "draining" and not self._active
+        self._idle.set_idle(self._sync_paused or out_of_budget, self._clock())
+

