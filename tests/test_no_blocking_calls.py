@@ -6,7 +6,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from blocking_calls import check_source, check_tree
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from mm_preprocess import ItemResult, VisionDecodeError, VisionPreprocessor
 
 pytestmark = pytest.mark.timeout(120)
@@ -96,7 +95,8 @@ async def test_each_bad_input_raises_decode_error_naming_message_and_source(
             assert error.source == source
         assert len(error.source) < 200, label  # payloads are summarised, not echoed
     stats = pre.stats()
-    assert stats.inflight == 0 and stats.failed >= len(_EXPECTED_REASON)
+    assert stats.inflight == 0
+    assert stats.failed >= len(_EXPECTED_REASON)
 
 
 async def test_decode_error_in_a_video_frame_and_missing_key(
@@ -106,7 +106,8 @@ async def test_decode_error_in_a_video_frame_and_missing_key(
     frames = [{"role": "user", "content": [{"type": "video", "video": [str(png_path), missing]}]}]
     with pytest.raises(VisionDecodeError, match="video frame: file not found") as info:
         await pre.process_vision_info(frames)
-    assert info.value.message_index == 0 and info.value.source == missing
+    assert info.value.message_index == 0
+    assert info.value.source == missing
 
     keyless = [{"role": "user", "content": [{"type": "image"}]}]
     with pytest.raises(VisionDecodeError, match="no image, image_url or video"):
@@ -125,7 +126,7 @@ async def test_extreme_aspect_ratio_rejected_by_qwen_becomes_decode_error(
         await pre.process_vision_info(image_message(str(sliver)))
 
 
-async def test_bomb_is_refused_from_the_header_without_allocating(tmp_path: Path, bomb_png: bytes):
+def test_bomb_is_refused_from_the_header_without_allocating(tmp_path: Path, bomb_png: bytes):
     """In a fresh process, so the peak RSS belongs to this check alone: decoding the 40,000 x
     40,000 header would need 4.8 GB; refusing it must stay near the interpreter's baseline."""
     bomb = tmp_path / "bomb.png"
@@ -145,7 +146,8 @@ async def test_bomb_is_refused_from_the_header_without_allocating(tmp_path: Path
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
     )
-    assert "refused:" in result.stdout and "decompression bomb" in result.stdout
+    assert "refused:" in result.stdout
+    assert "decompression bomb" in result.stdout
     grew_kb = int(result.stdout.split("grew_kb")[1])
     assert grew_kb < 200_000, result.stdout  # < 200 MB, vs 4.8 GB to decode
 
@@ -170,7 +172,8 @@ async def test_process_many_keeps_good_items(
 
     assert [r.ok for r in results] == [True, False, False, True]
     assert all(isinstance(r, ItemResult) for r in results)
-    assert results[0].value is not None and results[0].value.num_images == 1
+    assert results[0].value is not None
+    assert results[0].value.num_images == 1
     assert isinstance(results[1].error, VisionDecodeError)
     assert isinstance(results[2].error, VisionDecodeError)
     assert results[2].error.content_index == 1

@@ -9,8 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import qwen_vl_utils
-from PIL import Image
-
 from mm_preprocess import (
     VisionConfig,
     VisionInputs,
@@ -18,6 +16,7 @@ from mm_preprocess import (
     process_multi_modal_info_sync,
     process_vision_info_sync,
 )
+from PIL import Image
 
 
 def reference(messages: list, image_patch_size: int = 14) -> VisionInputs:
@@ -44,6 +43,11 @@ async def pre():
         yield preprocessor
 
 
+def _open_pil(path: Path) -> Image.Image:
+    """A lazily opened PIL image, as a caller would pass it (helper: no decoding in async def)."""
+    return Image.open(path)
+
+
 def _data_uri(path: Path, mime: str) -> str:
     return f"data:{mime};base64," + base64.b64encode(path.read_bytes()).decode()
 
@@ -64,7 +68,8 @@ async def test_path_file_uri_and_data_uri_match_qwen(
     images, videos, metadata = await pre.process_vision_info(messages)
 
     assert_same_images(images, expected.images)
-    assert videos is None and metadata is None
+    assert videos is None
+    assert metadata is None
     assert len(images) == 3
 
 
@@ -72,8 +77,8 @@ async def test_bytes_and_pil_inputs_match_qwen(
     image_message: Callable[..., list], pre: VisionPreprocessor, png_path: Path, jpeg_path: Path
 ) -> None:
     # qwen-vl-utils takes no raw bytes: its reference is the same file given as a path.
-    ours = image_message(png_path.read_bytes(), Image.open(jpeg_path), png_path)
-    theirs = image_message(str(png_path), Image.open(jpeg_path), str(png_path))
+    ours = image_message(png_path.read_bytes(), _open_pil(jpeg_path), png_path)
+    theirs = image_message(str(png_path), _open_pil(jpeg_path), str(png_path))
 
     result = await pre.process_vision_info(ours)
 
@@ -147,7 +152,8 @@ async def test_image_patch_size_16(image_message: Callable[..., list], png_path:
     async with VisionPreprocessor(max_workers=1, image_patch_size=16) as preprocessor:
         result = await preprocessor.process_vision_info(messages)
     assert_same_images(result.images, reference(messages, image_patch_size=16).images)
-    assert result.images[0].width % 32 == 0 and result.images[0].height % 32 == 0
+    assert result.images[0].width % 32 == 0
+    assert result.images[0].height % 32 == 0
 
 
 async def test_video_as_frame_list_matches_qwen(
@@ -168,11 +174,20 @@ async def test_video_as_frame_list_matches_qwen(
     images, videos, metadata = await pre.process_vision_info(messages)
 
     assert_same_images(images, expected.images)
-    assert videos is not None and metadata is not None
+    assert videos is not None
+    assert metadata is not None
     assert len(videos) == 1
     assert videos[0].shape == expected.videos[0].shape
     assert bool((videos[0] == expected.videos[0]).all())
     assert metadata == expected.video_metadata
+
+
+def _sync_results(pre: VisionPreprocessor, messages: list) -> tuple:
+    return (
+        pre.process_vision_info_sync(messages),
+        process_vision_info_sync(messages, VisionConfig()),
+        process_multi_modal_info_sync(messages),
+    )
 
 
 async def test_sync_functions_give_the_same_result(
@@ -180,20 +195,20 @@ async def test_sync_functions_give_the_same_result(
 ) -> None:
     messages = image_message(str(png_path), png_path.read_bytes())
     from_async = await pre.process_vision_info(messages)
-    from_method = pre.process_vision_info_sync(messages)
-    from_function = process_vision_info_sync(messages, VisionConfig())
-    from_multi = process_multi_modal_info_sync(messages)
+    from_method, from_function, from_multi = _sync_results(pre, messages)
 
     for other in (from_method.images, from_function.images, from_multi.images):
         assert_same_images(other, from_async.images)
-    assert from_multi.processor_outputs is None and from_multi.text is None
+    assert from_multi.processor_outputs is None
+    assert from_multi.text is None
 
 
 async def test_no_vision_content_gives_nones(pre: VisionPreprocessor) -> None:
     messages = [{"role": "user", "content": "just text"}]
     assert await pre.process_vision_info(messages) == (None, None, None)
     info = await pre.process_multi_modal_info([])
-    assert info.images is None and info.num_images == 0
+    assert info.images is None
+    assert info.num_images == 0
 
 
 async def test_list_of_conversations(

@@ -17,7 +17,10 @@ from bench_app.report import BenchReport
 # benchmarks never imports vLLM or torch.
 BENCHES: dict[str, tuple[str, str]] = {
     "queue": ("bench_app.queue_bench", "queue actor vs ray.util.queue.Queue: items/s, latency"),
-    "vision": ("bench_app.vision_bench", "event-loop lag: inline qwen-vl-utils vs VisionPreprocessor"),
+    "vision": (
+        "bench_app.vision_bench",
+        "event-loop lag: inline qwen-vl-utils vs VisionPreprocessor",
+    ),
     "drain": ("bench_app.drain_bench", "resume-to-dispatch latency vs wait-for-all drain"),
     "rollout": ("bench_app.rollout_bench", "tokens/s: Rollouter+VLLMEngine vs AsyncLLM direct"),
     "trainer": ("bench_app.trainer_bench", "tokens/s: PPOTrainer vs a minimal torch loop"),
@@ -58,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:10s} {description}")
         return 0 if args.list else 2
     if args.name not in BENCHES:
-        print(f"unknown benchmark {args.name!r}; choose from: {', '.join(BENCHES)}", file=sys.stderr)
+        print(
+            f"unknown benchmark {args.name!r}; choose from: {', '.join(BENCHES)}", file=sys.stderr
+        )
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(BENCHES[args.name][0])

@@ -141,6 +141,10 @@ class RolloutActor:
         metrics["rollout/failed"] = float(self._rollouter.stats().failed)
         return metrics
 
+    async def pids(self) -> list[int]:
+        """This actor's process and its children (vLLM's engine core), for tests and ops."""
+        return _process_tree()
+
     async def failures(self) -> list[str]:
         return [str(f) for f in self._rollouter.failures]
 
@@ -150,6 +154,13 @@ class RolloutActor:
             self._run_task.cancel()
         await self._engine.close()
         await self._lag.stop()
+
+
+def _process_tree() -> list[int]:
+    import psutil
+
+    me = psutil.Process()
+    return [me.pid, *(child.pid for child in me.children(recursive=True))]
 
 
 def _fresh_prompts(prompts: Iterator[Any], skip: frozenset[str]) -> Iterator[Any]:
@@ -238,6 +249,9 @@ class TrainerActor:
         records, self._records = self._records, []
         lag = self._lag.metrics(prefix="event_loop/trainer") if hasattr(self, "_lag") else {}
         return [(step, {**m, **lag}) for step, m in records]
+
+    async def pids(self) -> list[int]:
+        return _process_tree()
 
     async def version(self) -> int:
         return self._trainer.version if hasattr(self, "_trainer") else 0

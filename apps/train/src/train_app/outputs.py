@@ -35,6 +35,8 @@ class MetricsWriter:
                     self._tb.add_scalar(key, value, step)
 
     def close(self) -> None:
+        if self._file.closed:
+            return
         self._file.close()
         if self._tb is not None:
             self._tb.close()

@@ -9,6 +9,8 @@ actor, and shuts down the Ray cluster this run started.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import os
 import statistics
@@ -83,7 +85,9 @@ def run(config: TrainConfig, console: Console | None = None) -> RunResult:
     return asyncio.run(_drive(config, run_dir, model_dir, console))
 
 
-async def _drive(config: TrainConfig, run_dir: Path, model_dir: Path, console: Console) -> RunResult:
+async def _drive(
+    config: TrainConfig, run_dir: Path, model_dir: Path, console: Console
+) -> RunResult:
     import ray
 
     started_ray = False
@@ -112,7 +116,12 @@ class _Session:
     """One run's actors and outputs."""
 
     def __init__(self, config: TrainConfig, run_dir: Path, model_dir: Path, console: Console):
-        self.config, self.run_dir, self.model_dir, self.console = config, run_dir, model_dir, console
+        self.config, self.run_dir, self.model_dir, self.console = (
+            config,
+            run_dir,
+            model_dir,
+            console,
+        )
         self.rollouts: list[Any] = []
         self.trainer: Any = None
         self.queue: Any = None
@@ -121,7 +130,6 @@ class _Session:
         self.rollout_metrics: dict[str, Any] = {}
 
     async def run(self) -> RunResult:
-        import ray
         from async_queue import MessageQueueClient
 
         from train_app.actors import RolloutActor, RolloutSpec, TrainerActor, TrainerSpec
@@ -265,7 +273,7 @@ class _Session:
             "plot": str(plot),
             "metrics": str(self.writer.path),
         }
-        (self.run_dir / "summary.json").write_text(__import__("json").dumps(summary, indent=2))
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print_summary(summary, self.console)
         return RunResult(self.run_dir, summary)
 
@@ -279,14 +287,9 @@ class _Session:
             await _quietly(asyncio.wait_for(self.queue.close(), 5))
         for actor in [*self.rollouts, self.trainer, getattr(self.queue, "handle", None)]:
             if actor is not None:
-                try:
+                with contextlib.suppress(Exception):  # already dead is fine
                     ray.kill(actor)
-                except Exception:
-                    pass
-        try:
-            self.writer.close()
-        except Exception:
-            pass
+        self.writer.close()
 
 
 def _resume_state(config: TrainConfig, run_dir: Path) -> tuple[str | None, int, list[str]]:

@@ -14,6 +14,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
+from typing import Generic, Protocol, TypeVar
 
 from async_queue.errors import ProducerFailed, QueueClosed, QueueFull, QueueTimeout
 from async_queue.types import (
@@ -21,13 +22,22 @@ from async_queue.types import (
     DROP_REASON_PRODUCER_FAILED,
     DROP_REASON_STALE,
     FullPolicy,
-    QueueItem,
     QueueStats,
 )
 
-__all__ = ["MessageQueue", "stale_threshold"]
+__all__ = ["MessageQueue", "Versioned", "stale_threshold"]
 
 logger = logging.getLogger(__name__)
+
+
+class Versioned(Protocol):
+    """What the core needs of an item: the policy version that produced it."""
+
+    @property
+    def version(self) -> int: ...
+
+
+ItemT = TypeVar("ItemT", bound=Versioned)
 
 
 def stale_threshold(current_version: int | None, max_staleness: int | None) -> int | None:
@@ -42,8 +52,9 @@ def stale_threshold(current_version: int | None, max_staleness: int | None) -> i
     return current_version - max_staleness
 
 
-class MessageQueue:
-    """Bounded FIFO of `QueueItem`s with a full-queue policy, close and failure signals.
+class MessageQueue(Generic[ItemT]):
+    """Bounded FIFO of items (`QueueItem`s, or anything with a `version`) with a full-queue
+    policy, close and failure signals. The actor stores undecoded items this way.
 
     - `put`/`put_many` on a full queue: policy `block` waits for room (a batch larger than
       the free room is enqueued in pieces, in order, as room appears); `drop_oldest` evicts
@@ -63,7 +74,7 @@ class MessageQueue:
             raise ValueError(f"maxsize must be >= 1, got {maxsize}")
         self._maxsize = maxsize
         self._policy = FullPolicy(policy)
-        self._items: deque[QueueItem] = deque()
+        self._items: deque[ItemT] = deque()
         # Queued items per version: gives oldest/newest version and a cheap "anything stale?".
         self._version_counts: Counter[int] = Counter()
         self._lock = asyncio.Lock()
@@ -101,11 +112,11 @@ class MessageQueue:
 
     # ------------------------------------------------------------------ producers
 
-    async def put(self, item: QueueItem) -> None:
+    async def put(self, item: ItemT) -> None:
         """Enqueue one item (see the class docstring for the full-queue policy)."""
         await self.put_many((item,))
 
-    async def put_many(self, items: Iterable[QueueItem]) -> None:
+    async def put_many(self, items: Iterable[ItemT]) -> None:
         """Enqueue items in order. Raises `QueueClosed` on a closed queue, `QueueFull` under
         policy `reject` when they do not all fit. Under `block`, a close that arrives while
         waiting raises `QueueClosed`; the pieces already enqueued stay queued."""
@@ -139,7 +150,7 @@ class MessageQueue:
                 await self._put_blocking(batch)
             self._items_ready.notify_all()
 
-    async def _put_blocking(self, batch: list[QueueItem]) -> None:
+    async def _put_blocking(self, batch: list[ItemT]) -> None:
         start = 0
         while start < len(batch):
             await self._wait(
@@ -162,7 +173,7 @@ class MessageQueue:
 
     # ------------------------------------------------------------------ consumers
 
-    async def get(self, timeout: float | None = None) -> QueueItem:  # noqa: ASYNC109
+    async def get(self, timeout: float | None = None) -> ItemT:  # noqa: ASYNC109
         """Next item. Waits up to `timeout` seconds (None: forever) for one.
 
         Raises `QueueTimeout` (a `TimeoutError`) on timeout, `QueueClosed` once closed and
@@ -177,7 +188,7 @@ class MessageQueue:
         min_items: int = 1,
         current_version: int | None = None,
         max_staleness: int | None = None,
-    ) -> list[QueueItem]:
+    ) -> list[ItemT]:
         """Wait until `min_items` items are queued, then take up to `n` (FIFO).
 
         - `min_items=n` waits for a full batch (what a trainer wants).
@@ -286,13 +297,13 @@ class MessageQueue:
             # A fresh instance per raise: one shared instance would pile up tracebacks.
             raise ProducerFailed(self._failure.cause_type, self._failure.cause_message)
 
-    def _append(self, batch: list[QueueItem]) -> None:
+    def _append(self, batch: list[ItemT]) -> None:
         self._items.extend(batch)
         for item in batch:
             self._version_counts[item.version] += 1
         self._produced += len(batch)
 
-    def _pop_front(self, count: int) -> list[QueueItem]:
+    def _pop_front(self, count: int) -> list[ItemT]:
         popleft = self._items.popleft
         batch = [popleft() for _ in range(count)]
         counts = self._version_counts

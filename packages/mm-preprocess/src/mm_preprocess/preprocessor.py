@@ -136,7 +136,11 @@ class VisionPreprocessor:
     ) -> MultiModalInfo:
         """Vision inputs plus, with a Hugging Face processor, its model inputs (`input_ids`,
         `pixel_values`, `image_grid_thw`, ...). Chat templating and the processor run in the
-        pool too. Raises VisionDecodeError on bad input."""
+        pool too. Raises VisionDecodeError on bad input.
+
+        One processor may be shared by all worker threads as long as `processor_kwargs` stay
+        the same between calls: HF fast tokenizers raise "Already borrowed" when padding or
+        truncation settings change while another thread is tokenizing."""
         return await self._run(
             _multi_modal_job,
             messages,
@@ -155,7 +159,9 @@ class VisionPreprocessor:
         processor_kwargs: Mapping[str, Any] | None = None,
     ) -> list[ItemResult[MultiModalInfo]]:
         """`process_multi_modal_info` for each conversation; one result or error per item, in
-        order, so one bad image does not lose the others."""
+        order, so one bad image does not lose the others. A preprocessor that is already
+        closed refuses the whole batch with PreprocessorClosed."""
+        self._ensure_open()
 
         async def one(messages: Conversation) -> ItemResult[MultiModalInfo]:
             try:

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     )
     from ppo_trainer.schedule import lr_multiplier
     from ppo_trainer.sources import iterate_batch_source
-    from ppo_trainer.trainer import PPOTrainer, StopReason, TrainSummary, group_staleness
+    from ppo_trainer.staleness import group_staleness
+    from ppo_trainer.trainer import PPOTrainer, StopReason, TrainSummary
     from ppo_trainer.update import PolicyUpdater, export_weights
 
 __all__ = [
@@ -90,7 +91,7 @@ _LAZY = {
     "PPOTrainer": "trainer",
     "StopReason": "trainer",
     "TrainSummary": "trainer",
-    "group_staleness": "trainer",
+    "group_staleness": "staleness",
     "PolicyUpdater": "update",
     "export_weights": "update",
 }

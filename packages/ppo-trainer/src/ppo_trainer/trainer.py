@@ -31,10 +31,11 @@ from ppo_trainer.protocols import (
     WeightSink,
 )
 from ppo_trainer.sources import iterate_groups
+from ppo_trainer.staleness import group_staleness, staleness_metrics
 from ppo_trainer.types import Trajectory
 from ppo_trainer.update import PolicyUpdater
 
-__all__ = ["PPOTrainer", "StopReason", "TrainSummary", "group_staleness"]
+__all__ = ["PPOTrainer", "StopReason", "TrainSummary"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +71,6 @@ class _Collected:
     dropped_groups: int = 0
     ended: bool = False
     stopped: bool = False
-
-
-def group_staleness(group: list[Trajectory], version: int) -> int:
-    """`version - min(token_versions)` over all tokens of the group (0 if it has none)."""
-    versions = [min(t.token_versions) for t in group if t.token_versions]
-    return version - min(versions) if versions else 0
 
 
 class PPOTrainer:
@@ -115,6 +110,7 @@ class PPOTrainer:
         self._stop_event: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = False
+        self._in_step = False
 
     # -- state ----------------------------------------------------------------------------
 
@@ -149,6 +145,7 @@ class PPOTrainer:
                 "trainer/step": float(self._step),
                 "trainer/version": float(self._version),
                 "trainer/running": float(self._running),
+                "trainer/in_step": float(self._in_step),
                 "staleness/dropped": float(self._dropped_total),
             }
         )
@@ -302,7 +299,7 @@ class PPOTrainer:
             if not fetch.done():
                 fetch.cancel()
         if fetch.done() and not fetch.cancelled():
-            return fetch.result()
+            return await fetch  # already done: returns at once
         return _STOP
 
     async def _train_step(
@@ -310,7 +307,11 @@ class PPOTrainer:
     ) -> int:
         """Run one step in the worker thread, push weights if due, log metrics."""
         sync_due = (self._step + 1) % self.config.sync_every == 0
-        result = await self._in_worker(self._step_in_worker, collected.groups, sync_due)
+        self._in_step = True
+        try:
+            result = await self._in_worker(self._step_in_worker, collected.groups, sync_due)
+        finally:
+            self._in_step = False
         self._step += 1
         self._consumed_ids.extend(t.sample_id for g in collected.groups for t in g)
         metrics: dict[str, MetricValue] = dict(result.metrics)
@@ -321,7 +322,7 @@ class PPOTrainer:
                 await self._weight_sink.push_weights(result.weights, self._version)
             metrics["weights/sync_s"] = result.export_s + time.perf_counter() - sync_started
         iteration_s = time.perf_counter() - iteration_start
-        metrics.update(_staleness_metrics(collected.staleness, self.config.max_staleness))
+        metrics.update(staleness_metrics(collected.staleness, self.config.max_staleness))
         metrics.update(
             {
                 "trainer/step_s": result.step_s,
@@ -433,18 +434,6 @@ async def _next_item(iterator: AsyncIterator[_T]) -> _T | object:
         return await anext(iterator)
     except StopAsyncIteration:
         return _END
-
-
-def _staleness_metrics(staleness: list[int], max_staleness: int) -> dict[str, MetricValue]:
-    """mean/max and a histogram: `staleness/hist[s]` = groups consumed with staleness s."""
-    hist = [0] * (max(max_staleness, max(staleness, default=0)) + 1)
-    for value in staleness:
-        hist[max(value, 0)] += 1
-    return {
-        "staleness/mean": sum(staleness) / len(staleness) if staleness else 0.0,
-        "staleness/max": float(max(staleness, default=0)),
-        "staleness/hist": hist,
-    }
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from rollout_engine.rollouter import Rollouter, RolloutStats
+from rollout_engine.rollouter import FailedSample, RolloutConfig, Rollouter, RolloutStats
 from rollout_engine.types import (
     TRAJECTORY_SCHEMA_VERSION,
     Completion,
@@ -29,12 +29,14 @@ if TYPE_CHECKING:
 __all__ = [
     "TRAJECTORY_SCHEMA_VERSION",
     "Completion",
+    "FailedSample",
     "GenerationEngine",
     "MultiModalPreprocessor",
     "MultiModalRef",
     "PauseMode",
     "PromptSample",
     "RewardFn",
+    "RolloutConfig",
     "RolloutStats",
     "Rollouter",
     "SamplingConfig",

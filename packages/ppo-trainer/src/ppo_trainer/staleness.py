@@ -1,0 +1,27 @@
+"""Staleness of consumed groups: `v_trainer - min(token versions)`, and its metrics."""
+
+from __future__ import annotations
+
+from ppo_trainer.protocols import MetricValue
+from ppo_trainer.types import Trajectory
+
+__all__ = ["group_staleness", "staleness_metrics"]
+
+
+def group_staleness(group: list[Trajectory], version: int) -> int:
+    """`version - min(token_versions)` over all tokens of the group (0 if it has none)."""
+    versions = [min(t.token_versions) for t in group if t.token_versions]
+    return version - min(versions) if versions else 0
+
+
+def staleness_metrics(staleness: list[int], max_staleness: int) -> dict[str, MetricValue]:
+    """`staleness/mean|max` and `staleness/hist`, where hist[s] = groups consumed at staleness s
+    (length max(max_staleness, observed max) + 1)."""
+    hist = [0] * (max(max_staleness, max(staleness, default=0)) + 1)
+    for value in staleness:
+        hist[max(value, 0)] += 1
+    return {
+        "staleness/mean": sum(staleness) / len(staleness) if staleness else 0.0,
+        "staleness/max": float(max(staleness, default=0)),
+        "staleness/hist": hist,
+    }

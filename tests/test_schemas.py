@@ -1,0 +1,55 @@
+"""The rollouter's and the trainer's `Trajectory` are two classes; their wire form must agree."""
+
+from __future__ import annotations
+
+import msgspec
+import ppo_trainer
+import rollout_engine
+
+
+def _fields(struct: type[msgspec.Struct]) -> list[tuple[str, object]]:
+    info = msgspec.inspect.type_info(struct)
+    return [(f.name, repr(f.type)) for f in info.fields]  # type: ignore[attr-defined]
+
+
+def _producer_trajectory() -> rollout_engine.Trajectory:
+    return rollout_engine.Trajectory(
+        sample_id="g1-0",
+        group_id="g1",
+        prompt_ids=[3, 4, 5],
+        response_ids=[6, 7, 1],
+        behaviour_logprobs=[-0.5, -1.25, -0.125],
+        token_versions=[2, 3, 3],
+        finish_reason="stop",
+        reward=0.75,
+        timings=rollout_engine.Timings(admitted_at=10.0, finished_at=11.5, generation_s=1.5),
+        multimodal=rollout_engine.MultiModalRef(
+            messages_json='[{"role": "user"}]', image_sources=["/tmp/a.png"]
+        ),
+        num_resumes=1,
+    )
+
+
+def test_trajectory_structs_have_the_same_fields() -> None:
+    assert _fields(rollout_engine.Trajectory) == _fields(ppo_trainer.Trajectory)
+    assert _fields(rollout_engine.Timings) == _fields(ppo_trainer.Timings)
+    assert _fields(rollout_engine.MultiModalRef) == _fields(ppo_trainer.MultiModalRef)
+    assert rollout_engine.TRAJECTORY_SCHEMA_VERSION == ppo_trainer.TRAJECTORY_SCHEMA_VERSION
+
+
+def test_a_rollout_group_decodes_into_the_trainer_struct_and_back() -> None:
+    group = [_producer_trajectory()]
+    wire = msgspec.msgpack.encode(group)
+    decoded = msgspec.msgpack.decode(wire, type=list[ppo_trainer.Trajectory])
+    assert msgspec.to_builtins(decoded) == msgspec.to_builtins(group)
+    back = msgspec.msgpack.decode(
+        msgspec.msgpack.encode(decoded), type=list[rollout_engine.Trajectory]
+    )
+    assert back == group
+
+
+def test_a_trajectory_without_multimodal_inputs_round_trips() -> None:
+    producer = msgspec.structs.replace(_producer_trajectory(), multimodal=None)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(producer), type=ppo_trainer.Trajectory)
+    assert decoded.multimodal is None
+    assert decoded.token_versions == [2, 3, 3]
