@@ -1,7 +1,8 @@
 """AST checker: finds blocking calls inside `async def` bodies.
 
 Used by `test_no_blocking_calls.py` over every file under packages/ and apps/. Nested plain
-`def`s and lambdas are skipped on purpose: they are what gets handed to an executor.
+`def`s and lambdas are skipped on purpose: they are what gets handed to an executor. A line
+that blocks on purpose (a test's negative control) says so with `# blocking-on-purpose`.
 """
 
 from __future__ import annotations
@@ -84,9 +85,14 @@ def _check_call(call: ast.Call, aliases: dict[str, str]) -> tuple[str, str] | No
     return None
 
 
+PRAGMA = "# blocking-on-purpose"
+
+
 class _AsyncBodyVisitor(ast.NodeVisitor):
-    def __init__(self, path: str, function: str, aliases: dict[str, str]) -> None:
-        self.path, self.function, self.aliases = path, function, aliases
+    def __init__(
+        self, path: str, function: str, aliases: dict[str, str], lines: list[str]
+    ) -> None:
+        self.path, self.function, self.aliases, self.lines = path, function, aliases, lines
         self.findings: list[Finding] = []
 
     def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
@@ -100,7 +106,7 @@ class _AsyncBodyVisitor(ast.NodeVisitor):
 
     def visit_Call(self, node: ast.Call) -> None:
         hit = _check_call(node, self.aliases)
-        if hit is not None:
+        if hit is not None and PRAGMA not in self.lines[node.lineno - 1]:
             self.findings.append(Finding(self.path, node.lineno, self.function, *hit))
         self.generic_visit(node)
 
@@ -108,10 +114,11 @@ class _AsyncBodyVisitor(ast.NodeVisitor):
 def check_source(source: str, path: str = "<string>") -> list[Finding]:
     tree = ast.parse(source, filename=path)
     aliases = _aliases(tree)
+    lines = source.splitlines()
     findings: list[Finding] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.AsyncFunctionDef):
-            visitor = _AsyncBodyVisitor(path, node.name, aliases)
+            visitor = _AsyncBodyVisitor(path, node.name, aliases, lines)
             for statement in node.body:
                 visitor.visit(statement)
             findings.extend(visitor.findings)

@@ -52,6 +52,11 @@ def test_checker_flags_blocking_calls(snippet: str, expected: str) -> None:
     assert [f.call for f in findings] == [expected]
 
 
+def test_pragma_marks_a_deliberate_negative_control() -> None:
+    snippet = "import ray\nasync def f(ref):\n    return ray.get(ref)  # blocking-on-purpose\n"
+    assert check_source(snippet) == []
+
+
 def test_checker_passes_well_behaved_async_code() -> None:
     good = textwrap.dedent(
         """

@@ -7,9 +7,12 @@ import ppo_trainer
 import rollout_engine
 
 
-def _fields(struct: type[msgspec.Struct]) -> list[tuple[str, object]]:
-    info = msgspec.inspect.type_info(struct)
-    return [(f.name, repr(f.type)) for f in info.fields]  # type: ignore[attr-defined]
+def _schema(struct: type[msgspec.Struct]) -> dict:
+    """JSON schema without docstrings: field names, types, defaults, nested structs by name."""
+    schema = msgspec.json.schema(struct)
+    for definition in schema["$defs"].values():
+        definition.pop("description", None)
+    return schema
 
 
 def _producer_trajectory() -> rollout_engine.Trajectory:
@@ -31,9 +34,9 @@ def _producer_trajectory() -> rollout_engine.Trajectory:
 
 
 def test_trajectory_structs_have_the_same_fields() -> None:
-    assert _fields(rollout_engine.Trajectory) == _fields(ppo_trainer.Trajectory)
-    assert _fields(rollout_engine.Timings) == _fields(ppo_trainer.Timings)
-    assert _fields(rollout_engine.MultiModalRef) == _fields(ppo_trainer.MultiModalRef)
+    schema = _schema(rollout_engine.Trajectory)
+    assert schema == _schema(ppo_trainer.Trajectory)
+    assert set(schema["$defs"]) == {"Trajectory", "Timings", "MultiModalRef"}
     assert rollout_engine.TRAJECTORY_SCHEMA_VERSION == ppo_trainer.TRAJECTORY_SCHEMA_VERSION
 
 

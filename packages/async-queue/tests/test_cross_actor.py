@@ -92,7 +92,7 @@ class BlockingControl:
     """Deliberately wrong: a blocking ray.get inside an async actor method."""
 
     async def blocking_get(self) -> int:
-        return ray.get(ray.put(41)) + 1
+        return ray.get(ray.put(41)) + 1  # blocking-on-purpose
 
     async def marker(self, text: str) -> int:
         print(text, file=sys.stderr, flush=True)

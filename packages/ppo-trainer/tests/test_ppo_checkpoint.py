@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from ppo_testkit import ListSource, RecordingWeightSink, make_group, tiny_qwen2
-from ppo_trainer import PPOConfig, PPOTrainer
+from ppo_trainer import PPOConfig, PPOTrainer, read_checkpoint_meta
 
 CONFIG = PPOConfig(
     lr=3e-3,
@@ -88,7 +88,20 @@ async def test_checkpoint_restores_rng_states_and_files(tmp_path: Path) -> None:
 
 
 async def test_periodic_checkpoints_from_train(tmp_path: Path) -> None:
-    cfg = PPOConfig(batch_size=2, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    cfg = PPOConfig(
+        batch_size=1,
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every=2,
+        keep_checkpoints=2,
+        max_staleness=100,
+    )
     trainer = PPOTrainer(tiny_qwen2(), cfg)
-    await trainer.train(ListSource(GROUPS[:8]))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000004"]
+    await trainer.train(ListSource(GROUPS[:6]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000004", "step_000006"]
+    latest = tmp_path / "latest"
+    assert latest.is_symlink()
+    assert latest.resolve() == (tmp_path / "step_000006").resolve()
+    meta = read_checkpoint_meta(latest)  # torch-free: what a driver reads before resuming
+    assert (meta.step, meta.version) == (6, 6)
+    assert meta.consumed_group_ids == tuple(f"g{i}" for i in range(6))
+    assert meta.consumed_sample_ids == tuple(t.sample_id for g in GROUPS[:6] for t in g)

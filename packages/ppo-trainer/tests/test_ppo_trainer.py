@@ -48,9 +48,9 @@ def _groups(count: int, version: int = 0, prefix: str = "g") -> list[list[Trajec
 async def test_trains_until_the_stream_ends_and_pushes_weights() -> None:
     weights, metrics = RecordingWeightSink(), RecordingMetricsSink()
     cfg = PPOConfig(lr=1e-3, batch_size=2, sync_every=2, max_staleness=10)
-    trainer = PPOTrainer(tiny_qwen2(), cfg, weight_sink=weights, metrics_sink=metrics)
+    trainer = PPOTrainer(tiny_qwen2(), cfg, metrics_sink=metrics)
     before = trainer.model.lm_head.weight.detach().clone()
-    summary = await trainer.train(ListSource(_groups(9)))
+    summary = await trainer.train(ListSource(_groups(9)), weights)
     # 9 groups in batches of 2: 4 full steps + the partial last batch
     assert summary.reason == "end_of_stream"
     assert (summary.steps, summary.step, summary.groups, summary.samples) == (5, 5, 9, 36)
@@ -62,6 +62,8 @@ async def test_trains_until_the_stream_ends_and_pushes_weights() -> None:
     assert synced.keys() >= DESIGN_METRICS
     assert "weights/sync_s" not in metrics.records[0][1]  # only logged when a push happens
     assert len(trainer.consumed_sample_ids) == 36
+    assert trainer.consumed_group_ids == tuple(f"g{i}" for i in range(9))
+    assert summary.as_dict()["steps"] == 5
     stats = trainer.stats()
     assert stats["trainer/step"] == 5.0
     assert stats["trainer/running"] == 0.0

@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 import pytest
-
 from rollout_engine.types import Completion, SamplingConfig
 
 pytestmark = pytest.mark.slow
@@ -199,9 +198,8 @@ async def test_load_weights_when_idle_pauses_by_itself(vllm_engine, tiny_qwen2):
 
 
 def test_sampling_params_stream_logprobs_without_text():
-    from vllm.sampling_params import RequestOutputKind
-
     from rollout_engine.vllm_engine import build_sampling_params
+    from vllm.sampling_params import RequestOutputKind
 
     params = build_sampling_params(SamplingConfig(max_tokens=5, temperature=0.5, top_k=3), n=4)
 
@@ -209,3 +207,42 @@ def test_sampling_params_stream_logprobs_without_text():
     assert params.logprobs == 0
     assert params.output_kind == RequestOutputKind.DELTA
     assert not params.detokenize
+
+
+async def test_weights_through_a_shared_memory_file(vllm_engine, tiny_qwen2, monkeypatch):
+    import dataclasses
+    import os
+
+    new_model = tiny_qwen2.random_model(seed=13)
+    shm_dir = tiny_qwen2.path / "shm"
+    shm_dir.mkdir(exist_ok=True)
+    file_config = dataclasses.replace(
+        vllm_engine.config, weight_transport="file", shm_dir=str(shm_dir)
+    )
+    monkeypatch.setattr(vllm_engine, "_config", file_config)
+
+    version = await load(vllm_engine, new_model)
+    prompt = tiny_qwen2.tokenizer.encode("8-1=")
+    [completion] = await vllm_engine.generate(
+        "shm", prompt, SamplingConfig(max_tokens=12, seed=2, ignore_eos=True)
+    )
+
+    assert completion.versions == [version] * 12
+    reference = hf_logprobs(new_model, prompt, completion.token_ids, 1.0)
+    assert mean_abs_diff(completion.logprobs, reference) < TOLERANCE
+    assert os.listdir(shm_dir) == []  # the weights file is removed after the load
+
+
+async def test_engine_threads_can_be_pinned(vllm_engine):
+    import os
+
+    everything = sorted(os.sched_getaffinity(0))
+    [pinned] = await vllm_engine.llm.collective_rpc(
+        "rollout_set_cpu_affinity", args=(everything[:1],)
+    )
+    [restored] = await vllm_engine.llm.collective_rpc(
+        "rollout_set_cpu_affinity", args=(everything,)
+    )
+
+    assert pinned == everything[:1]
+    assert restored == everything

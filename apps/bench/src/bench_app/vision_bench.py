@@ -7,14 +7,18 @@ An EventLoopLagMonitor (10 ms ticks) runs on the same loop. Same run, same messa
 - inline: each coroutine calls `qwen_vl_utils.process_vision_info` itself (the old way): the
   loop is blocked for every image;
 - offloaded: each coroutine awaits `VisionPreprocessor.process_vision_info` (max_workers =
-  CPU count, max_inflight = 2 * max_workers); also once with max_workers=1 to show how much
-  of the speed-up is thread overlap.
+  min(4, CPU count), max_inflight = 2 * max_workers); also with max_workers=1, to show how
+  much of the speed-up is thread overlap.
 
-images/s = images processed / phase wall time. Phases alternate (inline, offloaded, inline,
-...) `repeats` times and the median of each figure is reported, so a neighbour's load on
-this shared machine hits both modes alike. `parallel_capacity` (sha256 on 2 threads vs 1, C
-code without the GIL) says how much two-core parallelism the machine gave during the run:
-the throughput target assumes ~2.
+images/s = images processed / phase wall time; "cores" = process CPU time / wall time (how
+much CPU the machine actually gave the phase). The three phases run `repeats` times, in
+reversed order every other repeat, and the median of each figure is reported, so a
+neighbour's load on this shared machine hits all modes alike.
+
+Context figures: `parallel_capacity` (sha256 on 2 threads / on 1 thread, C code without the
+GIL) says how much two-core parallelism the machine gave around the run (the throughput
+target assumes ~2); `gil_free_fraction` (cProfile of one job) is the share of a job spent in
+calls that release the GIL, and `amdahl_speedup_bound` what that allows on max_workers cores.
 
 Targets: offloaded p99 lag <= 20 ms and <= inline p99 / 10; offloaded images/s >= 1.3x
 inline on 2 cores.
@@ -219,12 +223,12 @@ async def _bench(quick: bool, paths: list[str]) -> dict[str, Any]:
         await offloaded(messages[0])
         await offloaded_one(messages[0])
 
-        for _ in range(repeats):
-            results["inline"].append(await _run_phase("inline", messages, rounds, inline))
-            results["offloaded"].append(await _run_phase("offloaded", messages, rounds, offloaded))
-            results["offloaded_1w"].append(
-                await _run_phase("offloaded_1w", messages, rounds, offloaded_one)
-            )
+        phases = {"inline": inline, "offloaded": offloaded, "offloaded_1w": offloaded_one}
+        for repeat in range(repeats):
+            # Reverse the order every other repeat so a load trend hits all modes alike.
+            order = list(phases) if repeat % 2 == 0 else list(reversed(phases))
+            for mode in order:
+                results[mode].append(await _run_phase(mode, messages, rounds, phases[mode]))
     return {
         "results": results,
         "workers": workers,

@@ -84,9 +84,8 @@ class RolloutActor:
             VLLMEngineConfig(
                 model=spec.model_dir,
                 seed=spec.seed + spec.replica,
-                max_model_len=256,
+                max_model_len=await asyncio.to_thread(_max_model_len, spec.model_dir),
                 max_num_seqs=max(64, spec.max_concurrency * spec.group_size),
-                initial_version=spec.initial_version,
             )
         )
         config = RolloutConfig(
@@ -111,7 +110,6 @@ class RolloutActor:
             task.reward,
             config,
         )
-        self._rollouter.on_weights(spec.initial_version)
         self._run_task = asyncio.create_task(self._run())
         return self._engine.startup_s
 
@@ -154,6 +152,14 @@ class RolloutActor:
             self._run_task.cancel()
         await self._engine.close()
         await self._lag.stop()
+
+
+def _max_model_len(model_dir: str, cap: int = 2048) -> int:
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text_config = config.get("text_config", config)
+    return min(cap, int(text_config.get("max_position_embeddings", cap)))
 
 
 def _process_tree() -> list[int]:
@@ -206,9 +212,11 @@ class TrainerActor:
         self._records.append((step, dict(metrics)))
 
     async def train(self) -> dict[str, Any]:
+        """Train to `steps`; returns the summary and the consumed group ids."""
+        from async_queue import QueueClosed
         from mm_preprocess import EventLoopLagMonitor
-        from ppo_trainer import PPOConfig, PPOTrainer
-        from transformers import AutoModelForCausalLM
+        from ppo_trainer import PPOConfig, PPOTrainer, export_weights
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from train_app.wiring import QueueBatchSource, RolloutWeightSink
 
@@ -216,6 +224,8 @@ class TrainerActor:
         self._lag = EventLoopLagMonitor()
         await self._lag.start()
         model = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, spec.model_dir)
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, spec.model_dir)
+        checkpoints = Path(spec.run_dir) / "checkpoints"
         config = PPOConfig(
             lr=spec.lr,
             batch_size=spec.batch_size,
@@ -228,21 +238,39 @@ class TrainerActor:
             max_staleness=spec.max_staleness,
             seed=spec.seed,
             max_grad_norm=1.0,
-            checkpoint_dir=str(Path(spec.run_dir) / "checkpoints"),
+            checkpoint_dir=str(checkpoints),
             checkpoint_every=spec.checkpoint_every,
         )
-        self._trainer = PPOTrainer(model, config, metrics_sink=self)
-        skip: list[str] = []
+        sink = RolloutWeightSink(self._rollout_actors)
+        self._trainer = PPOTrainer(
+            model,
+            config,
+            weight_sink=sink,
+            metrics_sink=self,
+            pad_token_id=tokenizer.pad_token_id or 0,
+        )
+        skip: tuple[str, ...] = ()
         if spec.resume_from:
             await self._trainer.load_checkpoint(spec.resume_from)
-            skip = list(self._trainer.consumed_ids)
+            skip = self._trainer.consumed_group_ids
+            # The engines started from the initial weights: give them the checkpoint's.
+            weights = await asyncio.to_thread(export_weights, self._trainer.model)
+            await sink.push_weights(weights, self._trainer.version)
         source = QueueBatchSource(self._queue, spec.max_staleness, skip_ids=skip)
-        sink = RolloutWeightSink(self._rollout_actors)
-        from async_queue import QueueClosed
-
-        summary = await self._trainer.train(source, sink, end_of_stream=(QueueClosed,))
+        summary = await self._trainer.train(source, end_of_stream=(QueueClosed,))
+        if self._trainer.step % max(spec.checkpoint_every, 1) != 0 or not spec.checkpoint_every:
+            await self._save_final(checkpoints)
         await self._lag.stop()
-        return dict(summary) if not isinstance(summary, dict) else summary
+        return {
+            **summary.as_dict(),
+            "consumed_group_ids": list(self._trainer.consumed_group_ids),
+        }
+
+    async def _save_final(self, checkpoints: Path) -> None:
+        from ppo_trainer.checkpoint import update_latest
+
+        path = await self._trainer.save_checkpoint(checkpoints / f"step_{self._trainer.step:06d}")
+        await asyncio.to_thread(update_latest, path, self._trainer.config.keep_checkpoints)
 
     async def drain_metrics(self) -> list[tuple[int, dict[str, Any]]]:
         """New per-step records since the last call, with this loop's lag added."""
@@ -253,5 +281,6 @@ class TrainerActor:
     async def pids(self) -> list[int]:
         return _process_tree()
 
-    async def version(self) -> int:
-        return self._trainer.version if hasattr(self, "_trainer") else 0
+    async def stop(self) -> None:
+        if hasattr(self, "_trainer"):
+            self._trainer.stop()

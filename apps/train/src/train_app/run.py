@@ -96,12 +96,7 @@ async def _drive(
         if config.ray_address:
             ray.init(address=config.ray_address, runtime_env={"env_vars": env})
         else:
-            ray.init(
-                num_cpus=max(2, config.rollout_replicas + 1),
-                include_dashboard=False,
-                runtime_env={"env_vars": env},
-                logging_level=logging.WARNING,
-            )
+            _start_local_ray(num_cpus=max(2, config.rollout_replicas + 1), env=env)
             started_ray = True
     session = _Session(config, run_dir, model_dir, console)
     try:
@@ -109,6 +104,27 @@ async def _drive(
     finally:
         await session.shutdown()
         if started_ray:
+            ray.shutdown()
+
+
+def _start_local_ray(num_cpus: int, env: dict[str, str], attempts: int = 3) -> None:
+    """Start a local cluster; retried because Ray's raylet gives its metrics agent a fixed
+    15 s to start, which a heavily loaded 2-core machine can miss."""
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                runtime_env={"env_vars": env},
+                logging_level=logging.WARNING,
+            )
+            return
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == attempts:
+                raise
+            logger.warning("Ray did not start (%s); retrying (%d/%d)", exc, attempt, attempts)
             ray.shutdown()
 
 
@@ -170,6 +186,7 @@ class _Session:
         with self.console.status("starting vLLM (tens of seconds on CPU)..."):
             startup = await asyncio.gather(*(r.start.remote() for r in self.rollouts))
         logger.info("engines up in %.1f s (%s)", time.monotonic() - t0, startup)
+        rollout_pids = await asyncio.gather(*(r.pids.remote() for r in self.rollouts))
         self.trainer = TrainerActor.options(num_cpus=1).remote(
             TrainerSpec(
                 model_dir=str(self.model_dir),
@@ -192,9 +209,22 @@ class _Session:
             self.queue,
             self.rollouts,
         )
+        trainer_pids = await self.trainer.pids.remote()
+        (self.run_dir / "actors.json").write_text(
+            json.dumps(
+                {
+                    "driver": os.getpid(),
+                    "rollout": [p[0] for p in rollout_pids],
+                    "engine": [pid for p in rollout_pids for pid in p[1:]],
+                    "trainer": trainer_pids[0],
+                }
+            )
+        )
         train_started = time.monotonic()
         train_ref = asyncio.ensure_future(_await(self.trainer.train.remote()))
         rollout_refs = [asyncio.ensure_future(_await(r.wait.remote())) for r in self.rollouts]
+        for ref in rollout_refs:  # their end after a clean stop is not news
+            ref.add_done_callback(lambda f: f.cancelled() or f.exception())
         trainer_summary = await self._watch(train_ref, rollout_refs)
         train_s = time.monotonic() - train_started
         await self._collect_metrics()
@@ -219,7 +249,7 @@ class _Session:
                         raise RunFailed(f"trainer failed: {train_ref.exception()}") from (
                             train_ref.exception()
                         )
-                    return train_ref.result()
+                    return await train_ref  # already done
 
     async def _collect_metrics(self) -> None:
         if self.trainer is None:
@@ -255,6 +285,8 @@ class _Session:
 
     def _finish(self, trainer_summary: Any, train_s: float, startup_s: float) -> RunResult:
         self.writer.close()
+        consumed = trainer_summary.get("consumed_group_ids", [])
+        (self.run_dir / "consumed_ids.json").write_text(json.dumps(consumed))
         plot = plot_run(self.records, self.run_dir / "reward.png", title=str(self.run_dir.name))
         rewards = [r["reward/mean"] for r in self.records if "reward/mean" in r]
         tenth = max(1, len(rewards) // 10)
@@ -302,7 +334,9 @@ def _resume_state(config: TrainConfig, run_dir: Path) -> tuple[str | None, int, 
     if not checkpoint.exists():
         raise RunFailed(f"--resume {run_dir}: no checkpoint in {checkpoint.parent}")
     meta = read_checkpoint_meta(checkpoint)
-    return str(checkpoint.resolve()), meta.version, list(meta.consumed_ids)
+    # Group ids are "<prompt id>:<admission counter>"; the prompt stream skips by prompt id.
+    prompts = [group_id.rsplit(":", 1)[0] for group_id in meta.consumed_group_ids]
+    return str(checkpoint.resolve()), meta.version, prompts
 
 
 async def _await(ref: Any) -> Any:

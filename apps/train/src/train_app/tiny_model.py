@@ -48,8 +48,9 @@ def build_tiny_qwen2(directory: Path, *, seed: int = 0, hidden_size: int = 64) -
         hidden_size=hidden_size,
         intermediate_size=4 * hidden_size,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        # head_dim 32: the smallest vLLM's CPU attention kernels support.
+        num_attention_heads=2,
+        num_key_value_heads=1,
         max_position_embeddings=128,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,

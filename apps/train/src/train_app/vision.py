@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "COLORS",
     "SHAPES",
+    "VISION_TASKS",
     "ImagePlaceholderEngine",
     "ShapeColorTask",
     "ShapeItem",
@@ -54,6 +55,7 @@ __all__ = [
     "collapse_image_placeholders",
     "expand_image_placeholders",
     "image_token_count",
+    "is_vision_task",
     "make_vision_preprocessor",
     "write_shape_dataset",
 ]
@@ -205,7 +207,9 @@ def write_shape_dataset(
         path = directory / f"{index:05d}-{color}-{shape}.png"
         if kind == "truncated":
             png = png[: len(png) // 2]
-        if kind != "missing":
+        if kind == "missing":
+            path.unlink(missing_ok=True)  # an older dataset may have left it there
+        else:
             _atomic_write(path, png)
         items.append(ShapeItem(path=str(path.resolve()), color=color, shape=shape, corrupt=kind))
     record = {"params": params, "items": [item.__dict__ for item in items]}
@@ -402,6 +406,8 @@ class ImagePlaceholderEngine:
         await self._engine.close()
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # never recurse into ourselves (e.g. before __init__)
+            raise AttributeError(name)
         return getattr(self._engine, name)
 
 
@@ -446,3 +452,11 @@ class VisionInputsFn:
 
             self._image_processor = AutoProcessor.from_pretrained(self._model_dir).image_processor
         return self._image_processor
+
+
+VISION_TASKS = {"shapes": ShapeColorTask}
+"""Built-in vision tasks by name (for `--task`); they need a Qwen2-VL model."""
+
+
+def is_vision_task(name: str) -> bool:
+    return name in VISION_TASKS

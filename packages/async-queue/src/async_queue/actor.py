@@ -1,9 +1,10 @@
 """`QueueActor`: the Ray actor around `MessageQueue`, and the function that starts it.
 
-Use it through `MessageQueueClient`; the actor's own methods speak msgpack bytes (one blob per
-call) and may change. The actor is async, so one event loop serves every call, and
-`max_concurrency` (default 1000) bounds how many calls may wait at once: it must exceed the
-number of consumers that can wait together, or a waiting crowd would lock out the producer.
+Use it through `MessageQueueClient`; the actor's own methods take and return encoded items
+(see `async_queue._wire`) and may change. The actor is async, so one event loop serves every
+call, and `max_concurrency` (default 1000) bounds how many calls may wait at once: it must
+exceed the number of consumers that can wait together, or a waiting crowd would lock out the
+producer.
 """
 
 from __future__ import annotations
@@ -31,16 +32,14 @@ class QueueActor:
     """Holds one `MessageQueue`. All methods are `async` so they share the actor's loop."""
 
     def __init__(self, maxsize: int, policy: str) -> None:
-        self._queue = MessageQueue(maxsize, policy)
+        # Items stay encoded: the actor reads only their version (see async_queue._wire).
+        self._queue: MessageQueue[_wire.RawItem] = MessageQueue(maxsize, policy)
 
-    async def put(self, blob: bytes) -> None:
-        await self._queue.put(_wire.decode_item(blob))
+    async def put_many(self, blobs: list[bytes]) -> None:
+        await self._queue.put_many(_wire.to_raw_items(blobs))
 
-    async def put_many(self, blob: bytes) -> None:
-        await self._queue.put_many(_wire.decode_items(blob))
-
-    async def get(self, timeout: float | None) -> bytes:  # noqa: ASYNC109
-        return _wire.encode(await self._queue.get(timeout))
+    async def get(self, timeout: float | None) -> list[bytes]:  # noqa: ASYNC109
+        return [(await self._queue.get(timeout)).blob]
 
     async def get_batch(
         self,
@@ -49,7 +48,7 @@ class QueueActor:
         min_items: int,
         current_version: int | None,
         max_staleness: int | None,
-    ) -> bytes:
+    ) -> list[bytes]:
         batch = await self._queue.get_batch(
             n,
             timeout,
@@ -57,7 +56,7 @@ class QueueActor:
             current_version=current_version,
             max_staleness=max_staleness,
         )
-        return _wire.encode(batch)
+        return [item.blob for item in batch]
 
     async def close(self, cause_type: str | None, cause_message: str | None) -> None:
         # The cause arrives as text: the actor need not import the producer's exception class.
@@ -67,7 +66,7 @@ class QueueActor:
             await self._queue.close(ProducerFailed(cause_type, cause_message or ""))
 
     async def stats(self) -> bytes:
-        return _wire.encode(self._queue.stats())
+        return _wire.encode_stats(self._queue.stats())
 
     async def size(self) -> int:
         return self._queue.qsize()

@@ -1,9 +1,10 @@
 """Clients of the queue actor: `MessageQueueClient` (async) and `SyncMessageQueueClient`.
 
 Both are thin and picklable (they hold only the actor handle), so they can be passed to other
-Ray actors and tasks. Each call is one Ray actor call carrying one msgpack blob. Exceptions the
-actor raises arrive wrapped in `RayTaskError`; the clients re-raise the package's own
-`QueueClosed`, `ProducerFailed`, `QueueFull`, `QueueTimeout`.
+Ray actors and tasks. Each method is one Ray actor call; a batch moves in one call as
+msgpack-encoded items. Exceptions the actor raises arrive wrapped in `RayTaskError`; the
+clients re-raise the package's own `QueueClosed`, `ProducerFailed`, `QueueFull`,
+`QueueTimeout`.
 
 Timeouts are enforced inside the actor, so a timed-out `get` takes nothing. Do not wrap a get
 in `asyncio.wait_for` instead: cancelling the await asks Ray to cancel the actor call
@@ -144,12 +145,12 @@ class MessageQueueClient:
     async def put(self, item: QueueItem) -> None:
         """Enqueue one item; under policy block, waits for room."""
         _check_items((item,))
-        await self._call(self._actor.put, _wire.encode(item))
+        await self._call(self._actor.put_many, [_wire.encode_item(item)])
 
     async def put_many(self, items: Sequence[QueueItem]) -> None:
         """Enqueue many items in one Ray call (in order). Policy reject refuses all or none."""
         _check_items(items)
-        await self._call(self._actor.put_many, _wire.encode(list(items)))
+        await self._call(self._actor.put_many, _wire.encode_items(items))
 
     async def close(self, error: BaseException | str | None = None) -> None:
         """End the stream, or (with `error`) fail it: consumers then raise `ProducerFailed`
@@ -161,7 +162,7 @@ class MessageQueueClient:
     async def get(self, timeout: float | None = None) -> QueueItem:  # noqa: ASYNC109
         """Next item; `QueueTimeout` after `timeout` s (nothing taken), `QueueClosed` when
         closed and drained, `ProducerFailed` after a failure."""
-        return _wire.decode_item(await self._call(self._actor.get, timeout))
+        return _wire.decode_items(await self._call(self._actor.get, timeout))[0]
 
     async def get_batch(
         self,
@@ -179,10 +180,10 @@ class MessageQueueClient:
         Timeout: `QueueTimeout`, nothing taken; the list is never empty. After `close()`, a
         partial final batch is returned, then `QueueClosed`."""
         _check_batch_args(n, min_items, current_version, max_staleness)
-        blob = await self._call(
+        blobs = await self._call(
             self._actor.get_batch, n, timeout, min_items, current_version, max_staleness
         )
-        return _wire.decode_items(blob)
+        return _wire.decode_items(blobs)
 
     async def __aiter__(self) -> AsyncIterator[QueueItem]:
         """Items one by one until the queue is closed and drained; `ProducerFailed` raises."""
@@ -281,17 +282,17 @@ class SyncMessageQueueClient:
 
     def put(self, item: QueueItem) -> None:
         _check_items((item,))
-        self._call("put", self._actor.put, _wire.encode(item))
+        self._call("put", self._actor.put_many, [_wire.encode_item(item)])
 
     def put_many(self, items: Sequence[QueueItem]) -> None:
         _check_items(items)
-        self._call("put_many", self._actor.put_many, _wire.encode(list(items)))
+        self._call("put_many", self._actor.put_many, _wire.encode_items(items))
 
     def close(self, error: BaseException | str | None = None) -> None:
         self._call("close", self._actor.close, *_cause_text(error))
 
     def get(self, timeout: float | None = None) -> QueueItem:
-        return _wire.decode_item(self._call("get", self._actor.get, timeout))
+        return _wire.decode_items(self._call("get", self._actor.get, timeout))[0]
 
     def get_batch(
         self,
@@ -303,7 +304,7 @@ class SyncMessageQueueClient:
         max_staleness: int | None = None,
     ) -> list[QueueItem]:
         _check_batch_args(n, min_items, current_version, max_staleness)
-        blob = self._call(
+        blobs = self._call(
             "get_batch",
             self._actor.get_batch,
             n,
@@ -312,7 +313,7 @@ class SyncMessageQueueClient:
             current_version,
             max_staleness,
         )
-        return _wire.decode_items(blob)
+        return _wire.decode_items(blobs)
 
     def __iter__(self) -> Iterator[QueueItem]:
         while True:

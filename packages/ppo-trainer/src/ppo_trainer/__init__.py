@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ppo_trainer.checkpoint_meta import TrainerState, read_checkpoint_meta
 from ppo_trainer.config import PPOConfig
 from ppo_trainer.protocols import (
     BatchSource,
@@ -53,6 +54,7 @@ __all__ = [
     "StopReason",
     "Timings",
     "TrainSummary",
+    "TrainerState",
     "Trajectory",
     "WeightSink",
     "aggregate_loss",
@@ -67,6 +69,7 @@ __all__ = [
     "masked_mean",
     "pack_batch",
     "policy_loss",
+    "read_checkpoint_meta",
     "rloo_advantages",
     "token_logprobs",
     "value_loss",

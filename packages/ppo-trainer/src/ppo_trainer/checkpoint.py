@@ -6,7 +6,7 @@ Layout of a checkpoint directory:
     optimizer.pt      optimizer.state_dict()
     scheduler.pt      LR scheduler state_dict()
     rng.pt            torch (CPU + CUDA), numpy, python and the shuffling generator states
-    trainer_state.json  step, version, consumed sample ids, the config (for reference)
+    trainer_state.json  step, version, consumed sample/group ids, the config (for reference)
 
 Everything loads with `torch.load(weights_only=True)` (no pickle of arbitrary objects). The
 directory is written under a temporary name and renamed, so a crash never leaves a half
@@ -16,35 +16,28 @@ checkpoint under the final name.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import random
 import shutil
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from ppo_trainer.checkpoint_meta import (
+    STATE_FILE,
+    TrainerState,
+    read_checkpoint_meta,
+    read_saved_config,
+)
 from ppo_trainer.config import PPOConfig
 from ppo_trainer.update import PolicyUpdater
 
-__all__ = ["CHECKPOINT_FORMAT", "TrainerState", "load_checkpoint", "save_checkpoint"]
-
-CHECKPOINT_FORMAT = 1
+__all__ = ["load_checkpoint", "save_checkpoint", "update_latest"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class TrainerState:
-    """The trainer's progress, stored next to the tensors."""
-
-    step: int
-    version: int
-    consumed_sample_ids: tuple[str, ...]
 
 
 def save_checkpoint(path: str | Path, updater: PolicyUpdater, state: TrainerState) -> Path:
@@ -58,14 +51,7 @@ def save_checkpoint(path: str | Path, updater: PolicyUpdater, state: TrainerStat
         torch.save(updater.optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(updater.scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(_rng_state(updater), tmp / "rng.pt")
-        meta: dict[str, Any] = {
-            "format": CHECKPOINT_FORMAT,
-            "step": state.step,
-            "version": state.version,
-            "consumed_sample_ids": list(state.consumed_sample_ids),
-            "config": dataclasses.asdict(updater.config),
-        }
-        (tmp / "trainer_state.json").write_text(json.dumps(meta))
+        (tmp / STATE_FILE).write_text(state.to_json(dataclasses.asdict(updater.config)))
         old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
         if final.exists():
             final.rename(old)
@@ -80,20 +66,28 @@ def save_checkpoint(path: str | Path, updater: PolicyUpdater, state: TrainerStat
 def load_checkpoint(path: str | Path, updater: PolicyUpdater) -> TrainerState:
     """Restore `updater` (in place) and every RNG from `path`; returns the trainer state."""
     root = Path(path)
-    meta = json.loads((root / "trainer_state.json").read_text())
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{root}: unsupported checkpoint format {meta.get('format')!r}")
+    state = read_checkpoint_meta(root)
     device = updater.device
     updater.model.load_state_dict(torch.load(root / "model.pt", map_location=device))
     updater.optimizer.load_state_dict(torch.load(root / "optimizer.pt", map_location=device))
     updater.scheduler.load_state_dict(torch.load(root / "scheduler.pt"))
     _restore_rng(torch.load(root / "rng.pt"), updater)
-    _warn_config_changes(meta.get("config", {}), updater.config)
-    return TrainerState(
-        step=int(meta["step"]),
-        version=int(meta["version"]),
-        consumed_sample_ids=tuple(meta["consumed_sample_ids"]),
-    )
+    _warn_config_changes(read_saved_config(root), updater.config)
+    return state
+
+
+def update_latest(checkpoint: Path, keep: int) -> None:
+    """Point `<parent>/latest` at `checkpoint` (a relative symlink, swapped atomically) and
+    delete all but the newest `keep` `step_*` siblings (keep = 0: delete none)."""
+    parent = checkpoint.parent
+    tmp_link = parent / f".latest.tmp-{uuid.uuid4().hex[:8]}"
+    tmp_link.symlink_to(checkpoint.name, target_is_directory=True)
+    tmp_link.replace(parent / "latest")
+    if keep > 0:
+        steps = sorted(p for p in parent.glob("step_*") if p.is_dir())
+        for old in steps[:-keep]:
+            if old != checkpoint:
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def _rng_state(updater: PolicyUpdater) -> dict[str, Any]:

@@ -100,7 +100,10 @@ class PPOConfig:
     checkpoint_dir: str | None = None
     """Where `train()` writes periodic checkpoints (with `checkpoint_every`)."""
     checkpoint_every: int = 0
-    """Save a checkpoint every this many steps (0: never; needs `checkpoint_dir`)."""
+    """Save `checkpoint_dir/step_NNNNNN` every this many steps and point
+    `checkpoint_dir/latest` at it (0: never; needs `checkpoint_dir`)."""
+    keep_checkpoints: int = 2
+    """Periodic checkpoints kept (older `step_*` directories are deleted; 0 keeps all)."""
 
     def __post_init__(self) -> None:
         positive = {
@@ -127,6 +130,8 @@ class PPOConfig:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.lr_schedule != "constant" and self.total_steps is None:
             raise ValueError(f"lr_schedule={self.lr_schedule!r} needs total_steps")
+        if self.keep_checkpoints < 0:
+            raise ValueError(f"keep_checkpoints must be >= 0, got {self.keep_checkpoints}")
         if self.checkpoint_every > 0 and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every > 0 needs checkpoint_dir")
         for name, allowed in (

@@ -9,9 +9,10 @@ else sharing the loop keep running while a step computes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,8 @@ import torch
 
 from ppo_trainer.advantages import grpo_advantages, rloo_advantages
 from ppo_trainer.batch import pack_batch
-from ppo_trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from ppo_trainer.checkpoint import load_checkpoint, save_checkpoint, update_latest
+from ppo_trainer.checkpoint_meta import TrainerState
 from ppo_trainer.config import PPOConfig
 from ppo_trainer.protocols import (
     GroupSource,
@@ -62,13 +64,15 @@ class TrainSummary:
     idle_ratio: float
     metrics: dict[str, MetricValue] = field(default_factory=dict)  # the last snapshot
 
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
 
 @dataclass(slots=True)
 class _Collected:
     groups: list[list[Trajectory]] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
-    dropped_ids: list[str] = field(default_factory=list)
-    dropped_groups: int = 0
+    dropped: list[list[Trajectory]] = field(default_factory=list)
     ended: bool = False
     stopped: bool = False
 
@@ -103,7 +107,7 @@ class PPOTrainer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppo-trainer")
         self._step = 0
         self._version = self.config.initial_version
-        self._consumed_ids: list[str] = []
+        self._consumed = _ConsumedIds()
         self._dropped_total = 0
         self._latest: dict[str, MetricValue] = {}
         self._stop_requested = False
@@ -135,7 +139,12 @@ class PPOTrainer:
     @property
     def consumed_sample_ids(self) -> tuple[str, ...]:
         """`sample_id`s trained on or dropped so far (skip them when resuming a source)."""
-        return tuple(self._consumed_ids)
+        return tuple(self._consumed.sample_ids)
+
+    @property
+    def consumed_group_ids(self) -> tuple[str, ...]:
+        """Distinct `group_id`s of the consumed samples, in first-seen order."""
+        return tuple(self._consumed.group_ids)
 
     def stats(self) -> dict[str, MetricValue]:
         """The latest metrics snapshot plus live counters; cheap, safe while a step runs."""
@@ -175,6 +184,7 @@ class PPOTrainer:
     async def train(
         self,
         source: GroupSource,
+        weight_sink: WeightSink | None = None,
         *,
         end_of_stream: tuple[type[BaseException], ...] = (),
     ) -> TrainSummary:
@@ -184,10 +194,13 @@ class PPOTrainer:
         `BatchSource` (`next_batch(n, current_version)`; raising one of `end_of_stream` ends
         the stream). Any other exception of the source (e.g. `ProducerFailed`) propagates
         out of `train()` unchanged, with its `__cause__`. A non-empty partial batch at the
-        end of the stream is trained on.
+        end of the stream is trained on. `weight_sink`, if given, replaces the constructor's
+        for the rest of the trainer's life.
         """
         if self._running:
             raise RuntimeError("train() is already running")
+        if weight_sink is not None:
+            self._weight_sink = weight_sink
         self._running = True
         self._loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
@@ -216,8 +229,8 @@ class PPOTrainer:
                 if collected.stopped:
                     reason = "stopped"  # a partial batch is discarded, not marked consumed
                     break
-                dropped += collected.dropped_groups
-                self._consumed_ids.extend(collected.dropped_ids)
+                dropped += len(collected.dropped)
+                self._consumed.add_groups(collected.dropped)
                 if collected.groups:
                     step_tokens = await self._train_step(collected, wait_s, iteration_start)
                     steps += 1
@@ -272,8 +285,7 @@ class PPOTrainer:
             staleness = group_staleness(group, self._version)
             if staleness > self.config.max_staleness:
                 self._dropped_total += 1
-                collected.dropped_groups += 1
-                collected.dropped_ids.extend(t.sample_id for t in group)
+                collected.dropped.append(group)
                 logger.warning(
                     "dropped group %s: staleness %d > max_staleness %d",
                     group[0].group_id,
@@ -313,7 +325,7 @@ class PPOTrainer:
         finally:
             self._in_step = False
         self._step += 1
-        self._consumed_ids.extend(t.sample_id for g in collected.groups for t in g)
+        self._consumed.add_groups(collected.groups)
         metrics: dict[str, MetricValue] = dict(result.metrics)
         if sync_due:
             self._version += 1
@@ -341,7 +353,10 @@ class PPOTrainer:
             self._metrics_sink.log(metrics, self._step)
         every = self.config.checkpoint_every
         if every and self._step % every == 0 and self.config.checkpoint_dir is not None:
-            await self.save_checkpoint(Path(self.config.checkpoint_dir) / f"step_{self._step:06d}")
+            path = await self.save_checkpoint(
+                Path(self.config.checkpoint_dir) / f"step_{self._step:06d}"
+            )
+            await self._in_worker(update_latest, path, self.config.keep_checkpoints)
         return result.tokens
 
     def _step_in_worker(self, groups: list[list[Trajectory]], export: bool) -> _StepResult:
@@ -386,7 +401,10 @@ class PPOTrainer:
 
         Runs in the worker thread, so it never overlaps a step."""
         state = TrainerState(
-            step=self._step, version=self._version, consumed_sample_ids=tuple(self._consumed_ids)
+            step=self._step,
+            version=self._version,
+            consumed_sample_ids=tuple(self._consumed.sample_ids),
+            consumed_group_ids=tuple(self._consumed.group_ids),
         )
         saved = await self._in_worker(save_checkpoint, path, self._updater, state)
         logger.info("saved checkpoint %s (step %d)", saved, self._step)
@@ -399,7 +417,7 @@ class PPOTrainer:
         state = await self._in_worker(load_checkpoint, path, self._updater)
         self._step = state.step
         self._version = state.version
-        self._consumed_ids = list(state.consumed_sample_ids)
+        self._consumed = _ConsumedIds(state.consumed_sample_ids, state.consumed_group_ids)
         logger.info("loaded checkpoint %s (step %d, version %d)", path, self._step, self._version)
 
     @classmethod
@@ -417,6 +435,23 @@ class PPOTrainer:
 
     async def _in_worker(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+
+class _ConsumedIds:
+    """Sample ids (in order) and distinct group ids (first-seen order) consumed so far."""
+
+    def __init__(self, sample_ids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> None:
+        self.sample_ids = list(sample_ids)
+        self.group_ids = list(group_ids)
+        self._groups_seen = set(group_ids)
+
+    def add_groups(self, groups: Sequence[list[Trajectory]]) -> None:
+        for group in groups:
+            self.sample_ids.extend(t.sample_id for t in group)
+            for t in group:
+                if t.group_id not in self._groups_seen:
+                    self._groups_seen.add(t.group_id)
+                    self.group_ids.append(t.group_id)
 
 
 @dataclass(frozen=True, slots=True)

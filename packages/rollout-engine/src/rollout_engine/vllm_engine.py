@@ -79,6 +79,11 @@ class VLLMEngineConfig:
     cpu_affinity: tuple[int, ...] | None = None
     # Threads for serializing weights off the event loop.
     io_threads: int = 1
+    # Tokens per streamed delta (1: every token as it is sampled). Larger values cut the
+    # per-token Python work in this process; version stamps stay exact (vLLM's spans).
+    stream_interval: int = 1
+    # How long `close` lets the engine-core process exit before it is killed.
+    shutdown_timeout_s: float = 2.0
     # Any other `vllm.AsyncEngineArgs` field, e.g. {"limit_mm_per_prompt": {"image": 2}}.
     extra_engine_args: Mapping[str, Any] = field(default_factory=dict)
 
@@ -103,7 +108,9 @@ class VLLMEngineConfig:
         return args
 
 
-def build_sampling_params(sampling: SamplingConfig, n: int) -> SamplingParams:
+def build_sampling_params(
+    sampling: SamplingConfig, n: int, stream_interval: int = 1
+) -> SamplingParams:
     """vLLM sampling parameters for one request of `n` samples (streamed, with log-probs)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -121,6 +128,7 @@ def build_sampling_params(sampling: SamplingConfig, n: int) -> SamplingParams:
         flat_logprobs=True,  # fewer Python objects per token
         detokenize=False,  # the trainer needs ids, not text
         output_kind=RequestOutputKind.DELTA,
+        stream_interval=stream_interval,
     )
 
 
@@ -265,7 +273,7 @@ class VLLMEngine:
         multi_modal_data: dict[str, Any] | None = None,
     ) -> list[Completion]:
         """Generate `n` samples; returns when all have finished (or were aborted)."""
-        params = build_sampling_params(sampling, n)
+        params = build_sampling_params(sampling, n, self._config.stream_interval)
         prompt = build_prompt(prompt_ids, multi_modal_data)
         sequences = [_SequenceState() for _ in range(n)]
         self._progress[request_id] = 0
@@ -348,7 +356,7 @@ class VLLMEngine:
     async def close(self) -> None:
         """Shut vLLM down (engine-core process included)."""
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._llm.shutdown)
+        await loop.run_in_executor(None, self._llm.shutdown, self._config.shutdown_timeout_s)
         self._executor.shutdown(wait=False)
 
 

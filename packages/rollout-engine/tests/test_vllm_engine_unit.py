@@ -1,0 +1,85 @@
+"""Fast checks of `rollout_engine.vllm_engine` helpers (no engine, no vLLM import)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from rollout_engine.vllm_engine import (
+    VLLMEngineConfig,
+    _apply_version_spans,
+    _weights_to_blob,
+    build_prompt,
+)
+
+
+def test_prompt_carries_token_ids_and_images_unchanged():
+    images = [object(), object()]  # stand-ins for PIL images: passed through, not copied
+
+    prompt = build_prompt((5, 6, 7), {"image": images})
+
+    assert prompt == {"prompt_token_ids": [5, 6, 7], "multi_modal_data": {"image": images}}
+    assert prompt["multi_modal_data"]["image"] is images
+    assert build_prompt([1]) == {"prompt_token_ids": [1]}
+
+
+def test_engine_args_have_cpu_defaults_and_take_extras():
+    config = VLLMEngineConfig(
+        model="/m", kv_cache_gib=0.5, extra_engine_args={"limit_mm_per_prompt": {"image": 2}}
+    )
+
+    args = config.engine_args()
+
+    assert args["tokenizer"] == "/m"
+    assert args["dtype"] == "float32"
+    assert args["enforce_eager"] is True
+    assert args["logprobs_mode"] == "processed_logprobs"
+    assert args["worker_extension_cls"] == "rollout_engine.vllm_worker.WeightSyncWorkerExtension"
+    assert args["kv_cache_memory_bytes"] == 1 << 29
+    assert args["limit_mm_per_prompt"] == {"image": 2}
+    vllm_default = VLLMEngineConfig(model="/m", kv_cache_gib=None).engine_args()
+    assert "kv_cache_memory_bytes" not in vllm_default
+
+
+@dataclass
+class Span:
+    version: str
+    start: int
+    end: int
+
+
+def test_version_spans_overwrite_arrival_stamps():
+    versions = [1, 1, 1, 1, 1]  # a token sampled by version 0 arrived after the load
+
+    _apply_version_spans(versions, [Span("0", 0, 3), Span("1", 3, 5)])
+
+    assert versions == [0, 0, 0, 1, 1]
+
+
+def test_unlabelled_spans_keep_arrival_stamps():
+    versions = [2, 2]
+
+    _apply_version_spans(versions, [Span("default", 0, 2)])
+    _apply_version_spans(versions, None)
+
+    assert versions == [2, 2]
+
+
+def test_weights_blob_round_trips_tied_and_non_contiguous_tensors():
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load
+
+    embedding = torch.randn(4, 3)
+    weights = {
+        "model.embed_tokens.weight": embedding,
+        "lm_head.weight": embedding,  # tied: same storage
+        "proj.weight": torch.randn(3, 5).t(),  # not contiguous
+        "norm.weight": torch.ones(3, dtype=torch.bfloat16),
+    }
+
+    restored = load(_weights_to_blob(weights))
+
+    assert restored.keys() == weights.keys()
+    for name, tensor in weights.items():
+        assert restored[name].dtype == tensor.dtype
+        assert torch.equal(restored[name], tensor)
