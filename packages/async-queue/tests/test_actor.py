@@ -46,6 +46,22 @@ async def test_fifo_order_and_payload_round_trip(make_item) -> None:
     ray.kill(client.handle)
 
 
+async def test_small_and_large_payloads_mixed_in_one_batch(make_item) -> None:
+    """Small items travel encoded, large ones as structs (see _wire); both come back equal."""
+    client = MessageQueueClient.create(maxsize=16)
+    sizes = [16, 8 * 1024, 100, 300 * 1024, 8 * 1024 - 4]
+    items = [make_item(i, version=i, size=size) for i, size in enumerate(sizes)]
+    single = make_item(99, size=64 * 1024)
+    await client.put_many(items)
+    await client.put(single)
+    got = await client.get_batch(16, min_items=6)
+    assert got == [*items, single]
+    assert [len(i.payload) for i in got] == [*sizes, 64 * 1024]
+    stats = await client.stats()
+    assert (stats.produced, stats.consumed) == (6, 6)
+    ray.kill(client.handle)
+
+
 async def test_block_policy_producer_waits_in_the_actor(make_item) -> None:
     client = MessageQueueClient.create(maxsize=2, policy="block")
     await client.put_many([make_item(0), make_item(1)])

@@ -185,13 +185,9 @@ async def _measure(runner: Any, engine: Any, prompts: list[Any], workload: Workl
     return Run(tokens=tokens, seconds=elapsed, cpu_us_per_token=cpu / max(tokens, 1) * 1e6)
 
 
-async def _bench(workload: Workload, workdir: Path) -> BenchReport:
+async def _bench(workload: Workload, model_dir: Path, prompts: list[Any]) -> BenchReport:
     from rollout_engine.vllm_engine import VLLMEngine, VLLMEngineConfig
 
-    model_dir = workdir / "model"
-    model_dir.mkdir()
-    tokenizer = build_model(model_dir)
-    prompts = make_prompts(tokenizer, workload.prompts)
     engine = await VLLMEngine.create(
         VLLMEngineConfig(model=str(model_dir), max_model_len=256, kv_cache_gib=1)
     )
@@ -254,4 +250,7 @@ def run(quick: bool) -> BenchReport:
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp:
         workdir = Path(tmp)
         _set_environment(workdir)
-        return asyncio.run(_bench(workload, workdir))
+        model_dir = workdir / "model"
+        model_dir.mkdir()
+        prompts = make_prompts(build_model(model_dir), workload.prompts)
+        return asyncio.run(_bench(workload, model_dir, prompts))

@@ -73,13 +73,19 @@ class RolloutActor:
         from transformers import AutoTokenizer
 
         from train_app.tasks import make_task
+        from train_app.vision import (
+            ImagePlaceholderEngine,
+            is_vision_task,
+            make_vision_preprocessor,
+        )
         from train_app.wiring import QueueTrajectorySink
 
         spec = self._spec
         self._lag = EventLoopLagMonitor()
         await self._lag.start()
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, spec.model_dir)
-        task = make_task(spec.task, tokenizer, **spec.task_options)
+        # A vision task writes its PNG dataset when built: file work, so off the loop.
+        task = await asyncio.to_thread(make_task, spec.task, tokenizer, **spec.task_options)
         self._engine = await VLLMEngine.create(
             VLLMEngineConfig(
                 model=spec.model_dir,
@@ -103,13 +109,22 @@ class RolloutActor:
                 stop_token_ids=(tokenizer.eos_token_id,),
             ),
         )
+        engine: Any = self._engine
+        self._preprocessor = None
+        if is_vision_task(spec.task):
+            # Images are decoded and resized in VisionPreprocessor's bounded thread pool.
+            self._preprocessor = make_vision_preprocessor(task.settings)
+            await self._preprocessor.warmup()
+            engine = ImagePlaceholderEngine(self._engine, task.image_token_id)
         self._rollouter = Rollouter(
-            self._engine,
+            engine,
             _fresh_prompts(task.prompts(spec.seed * 1000 + spec.replica), spec.skip_prompt_ids),
             QueueTrajectorySink(self._queue),
             task.reward,
             config,
+            preprocessor=self._preprocessor,
         )
+        self._lag.reset()  # report the steady state, not the engine start-up
         self._run_task = asyncio.create_task(self._run())
         return self._engine.startup_s
 
@@ -151,6 +166,8 @@ class RolloutActor:
             await self._rollouter.stop()
             self._run_task.cancel()
         await self._engine.close()
+        if self._preprocessor is not None:
+            await self._preprocessor.aclose()
         await self._lag.stop()
 
 
@@ -192,6 +209,7 @@ class TrainerSpec:
     checkpoint_every: int
     resume_from: str | None = None
     cpu: int | None = None
+    vision: bool = False
 
 
 @ray.remote(max_concurrency=16, max_restarts=0)
@@ -223,7 +241,15 @@ class TrainerActor:
         spec = self._spec
         self._lag = EventLoopLagMonitor()
         await self._lag.start()
-        model = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, spec.model_dir)
+        mm_inputs_fn = None
+        if spec.vision:
+            from train_app.vision import VisionInputsFn
+            from train_app.vision_model import load_vision_policy
+
+            model = await asyncio.to_thread(load_vision_policy, spec.model_dir)
+            mm_inputs_fn = VisionInputsFn(spec.model_dir)
+        else:
+            model = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, spec.model_dir)
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, spec.model_dir)
         checkpoints = Path(spec.run_dir) / "checkpoints"
         config = PPOConfig(
@@ -247,6 +273,7 @@ class TrainerActor:
             config,
             weight_sink=sink,
             metrics_sink=self,
+            mm_inputs_fn=mm_inputs_fn,
             pad_token_id=tokenizer.pad_token_id or 0,
         )
         skip: tuple[str, ...] = ()

@@ -30,7 +30,11 @@ class TrainConfig:
     """Any local Hugging Face checkpoint. Default: a tiny random-init Qwen2 made in the run dir."""
 
     task: str = "repeat"
-    """Built-in verifiable task (`repeat`: prompt `d*k=`, answer d written k times)."""
+    """Built-in task: `repeat` (prompt `d*k=`, answer d written k times; text) or `shapes`
+    (name the colour of a drawn shape; vision, a tiny Qwen2-VL)."""
+
+    corrupt_images: float = 0.0
+    """Vision tasks: fraction of dataset images written corrupt or missing (fault drills)."""
 
     steps: int = 160
     """Trainer steps (one step = one batch of `batch-size` groups)."""
@@ -113,6 +117,12 @@ class TrainConfig:
                 raise ValueError(f"--{field.replace('_', '-')} must be at least 1")
         if self.max_staleness < 0:
             raise ValueError("--max-staleness must be >= 0")
+        if not 0.0 <= self.corrupt_images < 1.0:
+            raise ValueError("--corrupt-images must be in [0, 1)")
+        from train_app.tasks import all_tasks
+
+        if self.task not in all_tasks():
+            raise ValueError(f"--task {self.task}: choose from {sorted(all_tasks())}")
         if self.group_size < 2:
             raise ValueError("--group-size must be at least 2 for GRPO advantages")
         if self.model is not None and not (Path(self.model) / "config.json").exists():

@@ -70,7 +70,11 @@ def ensure_model(config: TrainConfig, run_dir: Path) -> Path:
     if config.model is not None:
         return Path(config.model).resolve()
     from train_app.tiny_model import build_tiny_qwen2
+    from train_app.vision import is_vision_task
+    from train_app.vision_model import build_tiny_qwen2_vl
 
+    if is_vision_task(config.task):
+        return build_tiny_qwen2_vl(run_dir / "model", seed=config.seed).resolve()
     return build_tiny_qwen2(run_dir / "model", seed=config.seed).resolve()
 
 
@@ -149,6 +153,7 @@ class _Session:
         from async_queue import MessageQueueClient
 
         from train_app.actors import RolloutActor, RolloutSpec, TrainerActor, TrainerSpec
+        from train_app.vision import is_vision_task
 
         c = self.config
         pin = c.rollout_replicas == 1 and (os.cpu_count() or 1) >= 2 and not c.ray_address
@@ -177,6 +182,7 @@ class _Session:
                     initial_version=resume_version,
                     skip_prompt_ids=frozenset(consumed),
                     cpu=0 if pin else None,
+                    task_options=_task_options(c, self.run_dir),
                 ),
                 self.queue,
             )
@@ -205,6 +211,7 @@ class _Session:
                 checkpoint_every=c.checkpoint_every,
                 resume_from=resume_ckpt,
                 cpu=1 if pin else None,
+                vision=is_vision_task(c.task),
             ),
             self.queue,
             self.rollouts,
@@ -322,6 +329,17 @@ class _Session:
                 with contextlib.suppress(Exception):  # already dead is fine
                     ray.kill(actor)
         self.writer.close()
+
+
+def _task_options(config: TrainConfig, run_dir: Path) -> dict[str, Any]:
+    from train_app.vision import is_vision_task
+
+    if not is_vision_task(config.task):
+        return {}
+    return {
+        "image_dir": str((run_dir / "images").resolve()),
+        "corrupt_fraction": config.corrupt_images,
+    }
 
 
 def _resume_state(config: TrainConfig, run_dir: Path) -> tuple[str | None, int, list[str]]:

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from rollout_engine import PromptSample, Trajectory
 
-__all__ = ["TASKS", "RepeatTask", "Task", "make_task"]
+__all__ = ["TASKS", "RepeatTask", "Task", "all_tasks", "make_task"]
 
 
 class Task(Protocol):
@@ -70,7 +70,15 @@ class RepeatTask:
 TASKS = {"repeat": RepeatTask}
 
 
+def all_tasks() -> dict[str, Any]:
+    # Imported here: vision.py imports partial_credit from this module.
+    from train_app.vision import VISION_TASKS
+
+    return {**TASKS, **VISION_TASKS}
+
+
 def make_task(name: str, tokenizer: Any, **options: Any) -> Task:
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; choose from {sorted(TASKS)}")
-    return TASKS[name](tokenizer=tokenizer, **options)
+    tasks = all_tasks()
+    if name not in tasks:
+        raise ValueError(f"unknown task {name!r}; choose from {sorted(tasks)}")
+    return tasks[name](tokenizer=tokenizer, **options)

@@ -1,13 +1,18 @@
 """What crosses the actor boundary, and its codecs.
 
-A batch travels as a list of per-item msgpack blobs: the client encodes each `QueueItem`
-with msgspec, Ray moves the list in one call, and the actor keeps each blob as it came. The
-actor never decodes payloads; it reads only each item's `version` (skipping the payload bytes
-without copying them) and hands the same blobs back from `get_batch`.
+A batch travels as one list in one Ray call. Each element is one item, in one of two forms
+chosen by payload size (measured on this machine's Ray, CPU per item summed over the caller,
+the actor and the raylet):
 
-Why a list of blobs and not one blob per batch: measured here, Ray moves a multi-MiB batch as
-several medium buffers faster than as one large `bytes`, the actor needs no copy to split or
-join batches, and an item never keeps a whole batch's buffer alive.
+- payload < `LARGE_PAYLOAD_BYTES`: the item's msgspec msgpack encoding (`bytes`). For small
+  items this is cheaper than letting Ray pickle each struct (1 KiB: ~39 vs ~55 us per item
+  for a put + get round trip of 64).
+- payload >= `LARGE_PAYLOAD_BYTES`: the `QueueItem` itself, which Ray pickles. This copies the
+  payload fewer times than encoding it first (256 KiB: ~1.1 vs ~2.2 ms per item).
+
+The actor never decodes payloads: it reads only each item's `version` (for an encoded item,
+msgspec skips the payload bytes without copying them) and hands the same elements back from
+`get_batch`; the client turns them into `QueueItem`s.
 """
 
 from __future__ import annotations
@@ -20,21 +25,26 @@ import msgspec
 from async_queue.types import QueueItem, QueueStats
 
 __all__ = [
+    "LARGE_PAYLOAD_BYTES",
     "RawItem",
-    "decode_items",
+    "WireItem",
     "decode_stats",
-    "encode_item",
-    "encode_items",
     "encode_stats",
+    "from_wire",
     "to_raw_items",
+    "to_wire",
 ]
+
+LARGE_PAYLOAD_BYTES = 8 * 1024
+
+WireItem = bytes | QueueItem
 
 
 class RawItem(NamedTuple):
-    """An item as the actor keeps it: its version and its encoded bytes."""
+    """An item as the actor keeps it: its version and its wire form."""
 
     version: int
-    blob: bytes
+    wire: WireItem
 
 
 class _VersionOnly(msgspec.Struct):
@@ -44,28 +54,27 @@ class _VersionOnly(msgspec.Struct):
 
 
 _encode = msgspec.msgpack.Encoder().encode
-_item_decoder = msgspec.msgpack.Decoder(QueueItem)
-_stats_decoder = msgspec.msgpack.Decoder(QueueStats)
-_version_decoder = msgspec.msgpack.Decoder(_VersionOnly)
+_decode_item = msgspec.msgpack.Decoder(QueueItem).decode
+_decode_stats = msgspec.msgpack.Decoder(QueueStats).decode
+_decode_version = msgspec.msgpack.Decoder(_VersionOnly).decode
 
 
-def encode_item(item: QueueItem) -> bytes:
-    return _encode(item)
+def to_wire(items: Iterable[QueueItem]) -> list[WireItem]:
+    """Client side, put: each item as bytes (small payload) or as itself (large payload)."""
+    return [item if len(item.payload) >= LARGE_PAYLOAD_BYTES else _encode(item) for item in items]
 
 
-def encode_items(items: Iterable[QueueItem]) -> list[bytes]:
-    return [_encode(item) for item in items]
+def from_wire(elements: list[WireItem]) -> list[QueueItem]:
+    """Client side, get: back to `QueueItem`s."""
+    return [e if isinstance(e, QueueItem) else _decode_item(e) for e in elements]
 
 
-def decode_items(blobs: list[bytes]) -> list[QueueItem]:
-    decode = _item_decoder.decode
-    return [decode(blob) for blob in blobs]
-
-
-def to_raw_items(blobs: list[bytes]) -> list[RawItem]:
-    """Actor side: encoded items -> (version, blob) without decoding the payloads."""
-    decode_version = _version_decoder.decode
-    return [RawItem(decode_version(blob).version, blob) for blob in blobs]
+def to_raw_items(elements: list[WireItem]) -> list[RawItem]:
+    """Actor side: (version, wire form) per item, without decoding payloads."""
+    return [
+        RawItem(e.version if isinstance(e, QueueItem) else _decode_version(e).version, e)
+        for e in elements
+    ]
 
 
 def encode_stats(stats: QueueStats) -> bytes:
@@ -73,4 +82,4 @@ def encode_stats(stats: QueueStats) -> bytes:
 
 
 def decode_stats(blob: bytes) -> QueueStats:
-    return _stats_decoder.decode(blob)
+    return _decode_stats(blob)

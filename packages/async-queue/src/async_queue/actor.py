@@ -35,11 +35,11 @@ class QueueActor:
         # Items stay encoded: the actor reads only their version (see async_queue._wire).
         self._queue: MessageQueue[_wire.RawItem] = MessageQueue(maxsize, policy)
 
-    async def put_many(self, blobs: list[bytes]) -> None:
-        await self._queue.put_many(_wire.to_raw_items(blobs))
+    async def put_many(self, elements: list[_wire.WireItem]) -> None:
+        await self._queue.put_many(_wire.to_raw_items(elements))
 
-    async def get(self, timeout: float | None) -> list[bytes]:  # noqa: ASYNC109
-        return [(await self._queue.get(timeout)).blob]
+    async def get(self, timeout: float | None) -> list[_wire.WireItem]:  # noqa: ASYNC109
+        return [(await self._queue.get(timeout)).wire]
 
     async def get_batch(
         self,
@@ -48,7 +48,7 @@ class QueueActor:
         min_items: int,
         current_version: int | None,
         max_staleness: int | None,
-    ) -> list[bytes]:
+    ) -> list[_wire.WireItem]:
         batch = await self._queue.get_batch(
             n,
             timeout,
@@ -56,7 +56,7 @@ class QueueActor:
             current_version=current_version,
             max_staleness=max_staleness,
         )
-        return [item.blob for item in batch]
+        return [item.wire for item in batch]
 
     async def close(self, cause_type: str | None, cause_message: str | None) -> None:
         # The cause arrives as text: the actor need not import the producer's exception class.

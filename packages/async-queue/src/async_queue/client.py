@@ -145,12 +145,12 @@ class MessageQueueClient:
     async def put(self, item: QueueItem) -> None:
         """Enqueue one item; under policy block, waits for room."""
         _check_items((item,))
-        await self._call(self._actor.put_many, [_wire.encode_item(item)])
+        await self._call(self._actor.put_many, _wire.to_wire((item,)))
 
     async def put_many(self, items: Sequence[QueueItem]) -> None:
         """Enqueue many items in one Ray call (in order). Policy reject refuses all or none."""
         _check_items(items)
-        await self._call(self._actor.put_many, _wire.encode_items(items))
+        await self._call(self._actor.put_many, _wire.to_wire(items))
 
     async def close(self, error: BaseException | str | None = None) -> None:
         """End the stream, or (with `error`) fail it: consumers then raise `ProducerFailed`
@@ -162,7 +162,7 @@ class MessageQueueClient:
     async def get(self, timeout: float | None = None) -> QueueItem:  # noqa: ASYNC109
         """Next item; `QueueTimeout` after `timeout` s (nothing taken), `QueueClosed` when
         closed and drained, `ProducerFailed` after a failure."""
-        return _wire.decode_items(await self._call(self._actor.get, timeout))[0]
+        return _wire.from_wire(await self._call(self._actor.get, timeout))[0]
 
     async def get_batch(
         self,
@@ -180,10 +180,10 @@ class MessageQueueClient:
         Timeout: `QueueTimeout`, nothing taken; the list is never empty. After `close()`, a
         partial final batch is returned, then `QueueClosed`."""
         _check_batch_args(n, min_items, current_version, max_staleness)
-        blobs = await self._call(
+        elements = await self._call(
             self._actor.get_batch, n, timeout, min_items, current_version, max_staleness
         )
-        return _wire.decode_items(blobs)
+        return _wire.from_wire(elements)
 
     async def __aiter__(self) -> AsyncIterator[QueueItem]:
         """Items one by one until the queue is closed and drained; `ProducerFailed` raises."""
@@ -282,17 +282,17 @@ class SyncMessageQueueClient:
 
     def put(self, item: QueueItem) -> None:
         _check_items((item,))
-        self._call("put", self._actor.put_many, [_wire.encode_item(item)])
+        self._call("put", self._actor.put_many, _wire.to_wire((item,)))
 
     def put_many(self, items: Sequence[QueueItem]) -> None:
         _check_items(items)
-        self._call("put_many", self._actor.put_many, _wire.encode_items(items))
+        self._call("put_many", self._actor.put_many, _wire.to_wire(items))
 
     def close(self, error: BaseException | str | None = None) -> None:
         self._call("close", self._actor.close, *_cause_text(error))
 
     def get(self, timeout: float | None = None) -> QueueItem:
-        return _wire.decode_items(self._call("get", self._actor.get, timeout))[0]
+        return _wire.from_wire(self._call("get", self._actor.get, timeout))[0]
 
     def get_batch(
         self,
@@ -304,7 +304,7 @@ class SyncMessageQueueClient:
         max_staleness: int | None = None,
     ) -> list[QueueItem]:
         _check_batch_args(n, min_items, current_version, max_staleness)
-        blobs = self._call(
+        elements = self._call(
             "get_batch",
             self._actor.get_batch,
             n,
@@ -313,7 +313,7 @@ class SyncMessageQueueClient:
             current_version,
             max_staleness,
         )
-        return _wire.decode_items(blobs)
+        return _wire.from_wire(elements)
 
     def __iter__(self) -> Iterator[QueueItem]:
         while True:
