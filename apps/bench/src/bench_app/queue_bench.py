@@ -76,10 +76,10 @@ def _cases(quick: bool) -> list[Case]:
 
     # 64 x 1 KiB keeps each call under Ray's 100 KiB inline limit (bigger goes via plasma).
     return [
-        Case(payload_bytes=1024, batch=64, items=n(10_000), maxsize=512, rounds=3),
-        Case(payload_bytes=1024, batch=1, items=n(1_500), maxsize=512),
-        Case(payload_bytes=256 * 1024, batch=8, items=n(800), maxsize=32),
-        Case(payload_bytes=256 * 1024, batch=1, items=n(300), maxsize=32),
+        Case(payload_bytes=1024, batch=64, items=n(8_000), maxsize=512, rounds=3),
+        Case(payload_bytes=1024, batch=1, items=n(1_000), maxsize=512),
+        Case(payload_bytes=256 * 1024, batch=8, items=n(600), maxsize=32),
+        Case(payload_bytes=256 * 1024, batch=1, items=n(200), maxsize=32),
     ]
 
 
@@ -235,7 +235,7 @@ async def _run_all(cases: list[Case]) -> list[dict[str, Any]]:
                 order.reverse()
             for name in order:
                 runs[name].append(await _measure(name, contenders[name], case))
-        for name, measured in runs.items():
+        for measured in runs.values():
             ranked = sorted(measured, key=lambda row: row["items/s"])
             rows.append({**ranked[len(ranked) // 2], "rounds": case.rounds})
     return rows
@@ -269,7 +269,7 @@ def run(quick: bool) -> BenchReport:
 
     temp_dir = None
     if not ray.is_initialized():
-        temp_dir = tempfile.mkdtemp(prefix="aqb", dir="/tmp")
+        temp_dir = tempfile.mkdtemp(prefix="aqbench", dir="/tmp")
         ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
     cases = _cases(quick)
     try:

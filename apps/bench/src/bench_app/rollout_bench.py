@@ -46,7 +46,7 @@ class Workload:
     rounds: int  # measured runs per side (after one warm-up run each)
 
 
-FULL = Workload(prompts=32, group_size=8, max_tokens=32, max_concurrency=16, rounds=6)
+FULL = Workload(prompts=64, group_size=8, max_tokens=32, max_concurrency=16, rounds=6)
 QUICK = Workload(prompts=16, group_size=8, max_tokens=16, max_concurrency=8, rounds=2)
 
 

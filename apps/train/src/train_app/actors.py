@@ -158,8 +158,11 @@ class RolloutActor:
         """This actor's process and its children (vLLM's engine core), for tests and ops."""
         return _process_tree()
 
-    async def failures(self) -> list[str]:
-        return [str(f) for f in self._rollouter.failures]
+    async def failures(self) -> list[dict[str, Any]]:
+        """Every failed sample (id, error type and message), as plain data."""
+        import msgspec
+
+        return [msgspec.to_builtins(f) for f in self._rollouter.failures]
 
     async def stop(self) -> None:
         if self._run_task is not None and not self._run_task.done():

@@ -235,6 +235,10 @@ class _Session:
         trainer_summary = await self._watch(train_ref, rollout_refs)
         train_s = time.monotonic() - train_started
         await self._collect_metrics()
+        failures = await asyncio.gather(*(_await(r.failures.remote()) for r in self.rollouts))
+        (self.run_dir / "failures.json").write_text(
+            json.dumps([f for replica in failures for f in replica], indent=1)
+        )
         return self._finish(trainer_summary, train_s, startup_s=train_started - t0)
 
     async def _watch(self, train_ref: asyncio.Future, rollout_refs: list[asyncio.Future]) -> Any:
@@ -268,7 +272,7 @@ class _Session:
             pass
         try:
             queue_stats = await asyncio.wait_for(self.queue.stats(), 5)
-            queue_metrics = queue_stats.metrics()
+            queue_metrics = queue_stats.as_metrics()
         except Exception:
             queue_metrics = {}
         try:

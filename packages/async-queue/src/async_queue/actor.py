@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Any
 
 import ray
@@ -44,7 +43,7 @@ class QueueActor:
     async def get_batch(
         self,
         n: int,
-        timeout: float | None,  # noqa: ASYNC109 (enforced where the items are)
+        timeout: float | None,  # noqa: ASYNC109 (see MessageQueue.get_batch)
         min_items: int,
         current_version: int | None,
         max_staleness: int | None,
@@ -70,10 +69,6 @@ class QueueActor:
 
     async def size(self) -> int:
         return self._queue.qsize()
-
-    async def pid(self) -> int:
-        """The actor's process id (tests use it to find this actor's log files)."""
-        return os.getpid()
 
 
 @functools.cache

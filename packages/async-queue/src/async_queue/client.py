@@ -167,7 +167,7 @@ class MessageQueueClient:
     async def get_batch(
         self,
         n: int,
-        timeout: float | None = None,  # noqa: ASYNC109 (enforced where the items are)
+        timeout: float | None = None,  # noqa: ASYNC109 (see MessageQueue.get_batch)
         *,
         min_items: int = 1,
         current_version: int | None = None,

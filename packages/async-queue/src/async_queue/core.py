@@ -183,7 +183,7 @@ class MessageQueue(Generic[ItemT]):
     async def get_batch(
         self,
         n: int,
-        timeout: float | None = None,  # noqa: ASYNC109 (enforced where the items are)
+        timeout: float | None = None,  # noqa: ASYNC109 (see MessageQueue.get_batch)
         *,
         min_items: int = 1,
         current_version: int | None = None,
@@ -196,7 +196,8 @@ class MessageQueue(Generic[ItemT]):
           `version < current_version - max_staleness` are dropped (reason "stale") before
           counting; the check is repeated whenever the call wakes up.
         - Timeout: raises `QueueTimeout` (a `TimeoutError`); nothing is taken. Never returns
-          an empty list.
+          an empty list. (The timeout is a parameter, not an `asyncio.timeout` around the
+          call, because over Ray it must apply inside the actor, where the items are.)
         - Closed: returns what is left (a partial final batch, possibly smaller than
           `min_items`), then raises `QueueClosed` when nothing is left.
         - Failed: raises `ProducerFailed` at once (queued items were dropped by the close).

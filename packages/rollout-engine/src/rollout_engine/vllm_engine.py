@@ -10,10 +10,11 @@ Log-probs: the engine is created with `logprobs_mode="processed_logprobs"` and r
 
 (after top-k / top-p when those are set), i.e. the distribution actually sampled from.
 
-Versions: outputs are streamed (`RequestOutputKind.DELTA`); each token is stamped with the
-engine's weight version when it arrives. vLLM also labels its outputs with the weight version
-set by `update_weight_version`; when a sequence finishes, those exact spans replace the
-arrival stamps (tokens still in flight during a load would otherwise get the new version).
+Versions: outputs are streamed (`RequestOutputKind.DELTA`, `stream_interval` tokens per delta
+after the first); each token is stamped with the engine's weight version when it arrives.
+vLLM also labels its outputs with the weight version set by `update_weight_version`; when a
+sequence finishes, those exact spans replace the arrival stamps (tokens sampled before a load
+but delivered after it would otherwise get the new version).
 
 Environment: set `VLLM_ENABLE_V1_MULTIPROCESSING=0` before `create` to run the worker inside
 the engine-core process (start-up ~45 s instead of ~80 s on CPU).
@@ -79,9 +80,10 @@ class VLLMEngineConfig:
     cpu_affinity: tuple[int, ...] | None = None
     # Threads for serializing weights off the event loop.
     io_threads: int = 1
-    # Tokens per streamed delta (1: every token as it is sampled). Larger values cut the
-    # per-token Python work in this process; version stamps stay exact (vLLM's spans).
-    stream_interval: int = 1
+    # Tokens per streamed delta after the first (1: every token as it is sampled). 8 cuts
+    # this process's CPU per token from ~56 to ~38 us (measured; FINAL_ONLY output: ~38);
+    # version stamps stay exact either way (vLLM's spans, see the module docstring).
+    stream_interval: int = 8
     # How long `close` lets the engine-core process exit before it is killed.
     shutdown_timeout_s: float = 2.0
     # Any other `vllm.AsyncEngineArgs` field, e.g. {"limit_mm_per_prompt": {"image": 2}}.
