@@ -89,9 +89,7 @@ PRAGMA = "# blocking-on-purpose"
 
 
 class _AsyncBodyVisitor(ast.NodeVisitor):
-    def __init__(
-        self, path: str, function: str, aliases: dict[str, str], lines: list[str]
-    ) -> None:
+    def __init__(self, path: str, function: str, aliases: dict[str, str], lines: list[str]) -> None:
         self.path, self.function, self.aliases, self.lines = path, function, aliases, lines
         self.findings: list[Finding] = []
 

@@ -92,6 +92,7 @@ class RolloutActor:
                 seed=spec.seed + spec.replica,
                 max_model_len=await asyncio.to_thread(_max_model_len, spec.model_dir),
                 max_num_seqs=max(64, spec.max_concurrency * spec.group_size),
+                initial_version=spec.initial_version,
             )
         )
         config = RolloutConfig(

@@ -76,6 +76,8 @@ class VLLMEngineConfig:
     weight_transport: Literal["bytes", "file"] = "bytes"
     shm_dir: str = "/dev/shm"
     warmup: bool = True
+    # Policy version of the weights the engine starts with (a resumed run: its checkpoint's).
+    initial_version: int = 0
     # Pin the engine's worker threads to these CPUs after start (None: leave as is).
     cpu_affinity: tuple[int, ...] | None = None
     # Threads for serializing weights off the event loop.
@@ -210,7 +212,7 @@ class VLLMEngine:
     def __init__(self, llm: AsyncLLM, config: VLLMEngineConfig, startup_s: float = 0.0) -> None:
         self._llm = llm
         self._config = config
-        self._version = 0
+        self._version = config.initial_version
         self._progress: dict[str, int] = {}
         self._executor = ThreadPoolExecutor(
             max_workers=max(1, config.io_threads), thread_name_prefix="vllm-engine-io"
@@ -232,7 +234,7 @@ class VLLMEngine:
         llm = await loop.run_in_executor(None, AsyncLLM.from_engine_args, engine_args)
         engine = cls(llm, config)
         try:
-            await llm.update_weight_version("0")
+            await llm.update_weight_version(str(config.initial_version))
             if config.cpu_affinity is not None:
                 await llm.collective_rpc(
                     "rollout_set_cpu_affinity", args=(list(config.cpu_affinity),)
