@@ -139,7 +139,9 @@ class RolloutActor:
             # The trainer must not wait forever on a queue nobody fills: fail it with the cause.
             await self._queue.close(error=exc)
             raise
-        return {"stats": str(stats)}
+        import msgspec
+
+        return msgspec.to_builtins(stats)
 
     async def wait(self) -> dict[str, Any]:
         """Returns when the rollout loop ends; raises its error if it failed."""
@@ -205,6 +207,7 @@ class TrainerSpec:
     max_staleness: int
     sync_every: int
     lr: float
+    lr_schedule: str
     ppo_epochs: int
     clip_eps: float
     is_cap: float
@@ -258,6 +261,8 @@ class TrainerActor:
         checkpoints = Path(spec.run_dir) / "checkpoints"
         config = PPOConfig(
             lr=spec.lr,
+            lr_schedule=spec.lr_schedule,  # type: ignore[arg-type]
+            min_lr_ratio=0.1,
             batch_size=spec.batch_size,
             ppo_epochs=spec.ppo_epochs,
             clip_eps=spec.clip_eps,

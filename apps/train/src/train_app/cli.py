@@ -19,6 +19,7 @@ app = cyclopts.App(
     name="apps/train",
     help="Fully-async GRPO post-training: vLLM generates while torch trains (see README).",
     version_flags=[],
+    result_action="return_value",
 )
 
 
@@ -27,7 +28,7 @@ def train(
     *,
     config: Annotated[TrainConfig, Parameter(name="*")] = TrainConfig(),  # noqa: B008
 ) -> int:
-    """Train a model with fully-async GRPO and write runs/<name>/ (metrics, plot, checkpoints).
+    """Train a model with fully-async GRPO and write runs/NAME/ (metrics, plot, checkpoints).
 
     Options can also come from a TOML file (`--config FILE`, keys = option names with
     underscores); flags on the command line override it. `--resume RUN_DIR` reuses that run's
@@ -37,13 +38,18 @@ def train(
 
     console = Console()
     try:
+        config.validate()
+    except ValueError as exc:
+        console.print(f"[bold red]bad configuration:[/] {exc}")
+        return 2
+    try:
         result = run(config, console)
     except RunFailed as exc:
         console.print(f"[bold red]run failed:[/] {exc}")
         return 1
-    except ValueError as exc:
-        console.print(f"[bold red]bad configuration:[/] {exc}")
-        return 2
+    except KeyboardInterrupt:
+        console.print("[bold yellow]interrupted:[/] every actor and engine was stopped")
+        return 130
     console.print(f"outputs in {result.run_dir}")
     return 0
 
@@ -58,7 +64,7 @@ def launcher(
     Parameters
     ----------
     config_file
-        A TOML file of options (keys as in runs/<name>/config.toml); flags override it.
+        A TOML file of options (keys as in runs/NAME/config.toml); flags override it.
     """
     files = []
     resume = _resume_dir(tokens)

@@ -36,7 +36,7 @@ class TrainConfig:
     corrupt_images: float = 0.0
     """Vision tasks: fraction of dataset images written corrupt or missing (fault drills)."""
 
-    steps: int = 160
+    steps: int = 400
     """Trainer steps (one step = one batch of `batch-size` groups)."""
 
     batch_size: int = 16
@@ -76,7 +76,10 @@ class TrainConfig:
     """Sampling temperature (the loss uses log-probs of the tempered distribution)."""
 
     lr: float = 2e-3
-    """Adam learning rate."""
+    """Adam learning rate (peak)."""
+
+    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    """Learning-rate decay over `steps` (to a tenth of `lr`); decay steadies the late steps."""
 
     ppo_epochs: int = 2
     """Optimisation passes over each batch."""

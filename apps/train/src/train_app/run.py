@@ -203,6 +203,7 @@ class _Session:
                 max_staleness=k,
                 sync_every=c.sync_every,
                 lr=c.lr,
+                lr_schedule=c.lr_schedule,
                 ppo_epochs=c.ppo_epochs,
                 clip_eps=c.clip_eps,
                 is_cap=c.is_cap,
@@ -249,12 +250,13 @@ class _Session:
                 done, _ = await asyncio.wait({train_ref, *rollout_refs}, timeout=POLL_S)
                 await self._collect_metrics()
                 progress.update(task, completed=len(self.records), info=self._progress_info())
-                for ref in rollout_refs:
-                    if ref in done and ref.exception() is not None and not train_ref.done():
-                        # A dead producer: fail the stream so the trainer stops with the cause.
+                for replica, ref in enumerate(rollout_refs):
+                    if ref in done and ref.exception() is not None:
+                        # A dead producer: fail the stream (the trainer's next read raises
+                        # ProducerFailed) and end the run with the cause.
                         cause = ref.exception()
-                        logger.error("rollouter failed: %s", cause)
                         await _quietly(self.queue.close(error=f"rollouter failed: {cause}"))
+                        raise RunFailed(f"rollouter {replica} failed: {cause}") from cause
                 if train_ref in done:
                     if train_ref.exception() is not None:
                         raise RunFailed(f"trainer failed: {train_ref.exception()}") from (
