@@ -92,29 +92,11 @@ def _set_environment(workdir: Path) -> None:
 
 
 def build_model(directory: Path) -> Any:
-    """A tiny Qwen2 (hidden 64, 2 layers, head_dim 32) and the app's character tokenizer."""
-    import torch
-    from train_app.tiny_model import build_char_tokenizer
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """The app's default tiny Qwen2 and character tokenizer (made locally, no download)."""
+    from train_app.tiny_model import build_tiny_qwen2
+    from transformers import AutoTokenizer
 
-    tokenizer = build_char_tokenizer(directory)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,  # head_dim 32: the smallest vLLM's CPU attention supports
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(directory)
-    return tokenizer
+    return AutoTokenizer.from_pretrained(build_tiny_qwen2(directory, seed=0))
 
 
 def make_prompts(tokenizer: Any, count: int) -> list[Any]:
@@ -189,7 +171,7 @@ async def _bench(workload: Workload, model_dir: Path, prompts: list[Any]) -> Ben
     from rollout_engine.vllm_engine import VLLMEngine, VLLMEngineConfig
 
     engine = await VLLMEngine.create(
-        VLLMEngineConfig(model=str(model_dir), max_model_len=256, kv_cache_gib=1)
+        VLLMEngineConfig(model=str(model_dir), max_model_len=128, kv_cache_gib=1)
     )
     runners = {"direct": run_direct, "rollouter": run_rollouter}
     rows: list[dict[str, Any]] = []
