@@ -55,7 +55,8 @@ class RunResult:
     summary: dict[str, Any]
 
 
-def prepare_run_dir(config: TrainConfig) -> tuple[TrainConfig, Path]:
+def prepare_run_dir(config: TrainConfig) -> Path:
+    """The run's directory (the resumed one, or a new one), with its config.toml written."""
     if config.resume is not None:
         run_dir = Path(config.resume)
     else:
@@ -63,7 +64,7 @@ def prepare_run_dir(config: TrainConfig) -> tuple[TrainConfig, Path]:
         run_dir = Path(config.runs_dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(replace(config, resume=None)))
-    return config, run_dir
+    return run_dir
 
 
 def ensure_model(config: TrainConfig, run_dir: Path) -> Path:
@@ -82,7 +83,7 @@ def run(config: TrainConfig, console: Console | None = None) -> RunResult:
     """Run training to the end; raises `RunFailed` with the cause if an actor fails."""
     config.validate()
     console = console or Console()
-    config, run_dir = prepare_run_dir(config)
+    run_dir = prepare_run_dir(config)
     os.environ.update({k: v for k, v in WORKER_ENV.items() if k not in os.environ})
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((run_dir / ".inductor").resolve()))
     model_dir = ensure_model(config, run_dir)
