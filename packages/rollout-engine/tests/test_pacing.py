@@ -197,10 +197,9 @@ async def _pipeline(
         clock=loop.time,
     )
     run = asyncio.create_task(rollouter.run())
-    version = 0
     result = PipelineResult()
     started = loop.time()
-    for step in range(steps):
+    for version in range(steps):  # the trainer trains step v at version v
         step_started = loop.time()
         groups = [await delivered.get() for _ in range(batch_size)]
         waited = loop.time() - step_started
@@ -210,9 +209,8 @@ async def _pipeline(
         result.staleness.append(
             [version - min(t.token_versions) for g in groups for t in g if t.token_versions]
         )
-        await asyncio.sleep(train_s(step))
-        version += 1
-        await rollouter.update_weights(None, version)
+        await asyncio.sleep(train_s(version))
+        await rollouter.update_weights(None, version + 1)
         result.step_s.append(loop.time() - step_started)
     result.steps = steps
     result.wall_s = loop.time() - started
