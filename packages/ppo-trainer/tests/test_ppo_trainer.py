@@ -207,3 +207,66 @@ async def test_event_loop_stays_responsive_during_a_step() -> None:
     assert len(during) >= 10, (len(during), step_s)
     gaps = [b - a for a, b in itertools.pairwise(during)]
     assert max(gaps) < max(0.5, step_s / 2)
+
+
+class SlowWeightSink:
+    """A push that takes `delay_s`; records when each push starts and ends, and how many
+    overlap (the trainer must never run two at once)."""
+
+    def __init__(self, delay_s: float, fail_at: int | None = None) -> None:
+        self.delay_s, self.fail_at = delay_s, fail_at
+        self.spans: list[tuple[int, float, float]] = []
+        self.concurrent = self.max_concurrent = 0
+
+    async def push_weights(self, weights: dict, version: int) -> None:
+        started = time.perf_counter()
+        self.concurrent += 1
+        self.max_concurrent = max(self.max_concurrent, self.concurrent)
+        try:
+            await asyncio.sleep(self.delay_s)
+            if version == self.fail_at:
+                raise RuntimeError(f"push {version} failed")
+        finally:
+            self.concurrent -= 1
+        self.spans.append((version, started, time.perf_counter()))
+
+
+async def test_background_push_overlaps_the_next_step_in_version_order() -> None:
+    sink, metrics = SlowWeightSink(0.3), RecordingMetricsSink()
+    trainer = PPOTrainer(
+        tiny_qwen2(), PPOConfig(batch_size=1, max_staleness=10), metrics_sink=metrics
+    )
+    source = ListSource(_groups(4))
+    summary = await trainer.train(source, sink)
+    assert summary.steps == 4
+    # Every push landed before train() returned, one at a time, in version order.
+    assert [v for v, _, _ in sink.spans] == [1, 2, 3, 4]
+    assert sink.max_concurrent == 1
+    assert sink.spans[1][1] >= sink.spans[0][2]  # push 2 started after push 1 ended
+    # The push's own duration is reported once a push has landed.
+    assert metrics.records[-1][1]["weights/push_s"] >= 0.3
+
+
+async def test_background_push_lets_the_source_run_during_a_push() -> None:
+    sink = SlowWeightSink(0.5)
+    trainer = PPOTrainer(tiny_qwen2(), PPOConfig(batch_size=1, max_staleness=10))
+    source = ListSource(_groups(2))
+    await trainer.train(source, sink)
+    # Group 2 was taken before push 1 ended (the trainer did not wait for it).
+    assert source.last_yield_at < sink.spans[0][2]
+
+
+async def test_foreground_push_waits_for_each_push() -> None:
+    sink = SlowWeightSink(0.3)
+    cfg = PPOConfig(batch_size=1, max_staleness=10, background_push=False)
+    source = ListSource(_groups(2))
+    await PPOTrainer(tiny_qwen2(), cfg).train(source, sink)
+    assert source.last_yield_at > sink.spans[0][2]
+
+
+async def test_a_failed_background_push_is_raised_by_train() -> None:
+    sink = SlowWeightSink(0.05, fail_at=2)
+    trainer = PPOTrainer(tiny_qwen2(), PPOConfig(batch_size=1, max_staleness=10))
+    with pytest.raises(RuntimeError, match="push 2 failed"):
+        await trainer.train(ListSource(_groups(5)), sink)
+    assert [v for v, _, _ in sink.spans] == [1]

@@ -93,6 +93,11 @@ class PPOConfig:
     """Drop a group whose staleness (version - min token version) exceeds this."""
     initial_version: int = 0
     """Policy version of the weights the trainer starts with."""
+    background_push: bool = True
+    """Push weights in the background: the next batch is fetched and trained on while the
+    rollouters load the new version. Pushes stay in version order (a push waits for the one
+    before it), and `train()` returns only after the last one landed. Off: every step waits
+    for its push."""
 
     # --- misc ---------------------------------------------------------------------------
     seed: int = 0

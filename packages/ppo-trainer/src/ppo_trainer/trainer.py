@@ -115,6 +115,8 @@ class PPOTrainer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = False
         self._in_step = False
+        self._push_task: asyncio.Task[None] | None = None
+        self._last_push_s: float | None = None
 
     # -- state ----------------------------------------------------------------------------
 
@@ -240,7 +242,9 @@ class PPOTrainer:
                 if collected.ended:
                     reason = "end_of_stream"
                     break
+            await self._finish_push()
         finally:
+            await self._abandon_push()
             self._running = False
             self._stop_requested = False
             self._stop_event = None
@@ -262,6 +266,27 @@ class PPOTrainer:
         )
         logger.info("training ended (%s) after %d steps, version %d", reason, steps, self._version)
         return summary
+
+    async def _push(self, sink: WeightSink, weights: dict[str, torch.Tensor], version: int) -> None:
+        started = time.perf_counter()
+        await sink.push_weights(weights, version)
+        self._last_push_s = time.perf_counter() - started
+
+    async def _finish_push(self) -> None:
+        """Wait for the background push in flight, if any; its error is raised here."""
+        task, self._push_task = self._push_task, None
+        if task is not None:
+            await task
+
+    async def _abandon_push(self) -> None:
+        """On the way out of `train()` after an error or cancel: let the push in flight end
+        (it is not cancelled halfway through a load) and log, not raise, its error."""
+        task, self._push_task = self._push_task, None
+        if task is None:
+            return
+        await asyncio.wait({task})
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("weight push %d failed: %r", self._version, task.exception())
 
     async def _collect(self, iterator: AsyncIterator[list[Trajectory]]) -> _Collected:
         """Pull groups until `batch_size` fresh ones, the end of the stream or a stop."""
@@ -330,9 +355,17 @@ class PPOTrainer:
         if sync_due:
             self._version += 1
             sync_started = time.perf_counter()
+            await self._finish_push()  # one push at a time, in version order
             if self._weight_sink is not None and result.weights is not None:
-                await self._weight_sink.push_weights(result.weights, self._version)
+                push = self._push(self._weight_sink, result.weights, self._version)
+                if self.config.background_push:
+                    self._push_task = asyncio.ensure_future(push)
+                else:
+                    await push
+            # What the step spent on weights: the export plus any wait for a push.
             metrics["weights/sync_s"] = result.export_s + time.perf_counter() - sync_started
+            if self._last_push_s is not None:
+                metrics["weights/push_s"] = self._last_push_s
         iteration_s = time.perf_counter() - iteration_start
         metrics.update(staleness_metrics(collected.staleness, self.config.max_staleness))
         metrics.update(
