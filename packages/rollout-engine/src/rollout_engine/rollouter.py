@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rollout_engine.admission import AdmissionPolicy
+from rollout_engine.failures import FailureStreak, RepeatedFailureLog, RolloutFailed
 from rollout_engine.group import GroupJob, GroupRunner
 from rollout_engine.metrics import (
     FailedSample,
@@ -58,6 +59,7 @@ __all__ = [
     "FailedSample",
     "LoopState",
     "RolloutConfig",
+    "RolloutFailed",
     "RolloutStats",
     "Rollouter",
     "is_cancellation",
@@ -66,16 +68,34 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 LoopState = Literal[
-    "idle",  # run() not started
-    "fetching",  # waiting for the prompt source
-    "admitting",  # just dispatched a group
-    "saturated",  # max_concurrency groups in flight
-    "draining",  # admission budget exhausted; waiting for a task or on_weights()
-    "paused",  # a weight push is in progress; waiting for on_weights()
-    "finishing",  # prompts exhausted; waiting for the last groups
+    "idle",
+    "fetching",
+    "admitting",
+    "saturated",
+    "draining",
+    "paused",
+    "finishing",
     "stopped",
     "finished",
+    "failed",
 ]
+"""What the dispatch loop is doing now (`Rollouter.state`, `RolloutStats.state`).
+
+- `"idle"`: `run()` has not started.
+- `"fetching"`: waiting for the prompt source's next prompt (finished groups are still
+  reaped meanwhile).
+- `"admitting"`: a group was just dispatched; the loop goes round again at once.
+- `"saturated"`: `max_concurrency` groups are in flight; waiting for one to finish.
+- `"draining"`: the staleness budget is exhausted; waiting for a group to finish or for
+  `on_weights()` (which ends the wait at once).
+- `"paused"`: a weight push is in progress (`pause()` was called); waiting for
+  `on_weights()`.
+- `"finishing"`: the prompts are exhausted; waiting for the last groups in flight.
+- `"stopped"` (final): `stop()` was called; in-flight groups were cancelled.
+- `"finished"` (final): every prompt was delivered, failed or dropped.
+- `"failed"` (final): `max_consecutive_failures` groups failed in a row; `run()` raised
+  `RolloutFailed`.
+"""
 _Blocker = Literal["paused", "budget", "concurrency"]
 
 
@@ -103,9 +123,19 @@ class RolloutConfig:
     reward_workers: int = 1
     # How long stop() waits for cancelled tasks to unwind.
     stop_timeout_s: float = 10.0
+    # Give up (run() raises RolloutFailed) after this many groups in a row failed: a dead
+    # engine or a closed sink fails every group. A delivered group resets the count;
+    # cancellations by stop() do not count.
+    max_consecutive_failures: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("group_size", "max_concurrency", "batch_size", "sync_every"):
+        for name in (
+            "group_size",
+            "max_concurrency",
+            "batch_size",
+            "sync_every",
+            "max_consecutive_failures",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_staleness < 0:
@@ -181,6 +211,9 @@ class Rollouter:
         self._jobs: dict[asyncio.Task[GroupOutcome], GroupJob] = {}
         self._counters = RolloutCounters()
         self.failures: list[FailedSample] = []
+        self._streak = FailureStreak(config.max_consecutive_failures)
+        self._fatal: RolloutFailed | None = None  # set when the streak reaches its limit
+        self._failure_log = RepeatedFailureLog(logger, clock)
         # Signals.
         self._running = asyncio.Event()  # set: admitting; clear: paused (push or budget)
         self._running.set()
@@ -225,7 +258,11 @@ class Rollouter:
 
     async def run(self) -> RolloutStats:
         """Dispatch until the prompts are exhausted (then deliver what is in flight) or
-        `stop()` is called. Returns the final stats."""
+        `stop()` is called. Returns the final stats.
+
+        Raises `RolloutFailed` (`__cause__`: the last group's error) once
+        `max_consecutive_failures` groups in a row have failed; in-flight groups are
+        cancelled first, as by `stop()`."""
         if self._run_started:
             raise RuntimeError("Rollouter.run() can only be called once")
         self._run_started = True
@@ -235,8 +272,9 @@ class Rollouter:
             await self._wait_for_in_flight()
         finally:
             await self._cancel_in_flight()
-            self._set_state("stopped" if self._stop_requested.is_set() else "finished")
+            self._set_state(self._final_state())
             self._idle.stop(self._clock())
+            self._failure_log.flush()
             if self._reward_pool is not None:
                 self._reward_pool.shutdown(wait=False, cancel_futures=True)
         stats = self.stats()
@@ -248,6 +286,8 @@ class Rollouter:
             stats.failed,
             stats.dropped,
         )
+        if self._fatal is not None:
+            raise self._fatal
         return stats
 
     async def stop(self) -> None:
@@ -340,6 +380,8 @@ class Rollouter:
     async def _dispatch_until_exhausted(self) -> None:
         while not self._stop_requested.is_set():
             await self._reap_finished()
+            if self._stop_requested.is_set():  # stop(), or reaping gave up (RolloutFailed)
+                return
             if self._pending is None:
                 self._pending = await self._fetch_prompt()
                 if self._pending is None:
@@ -506,7 +548,10 @@ class Rollouter:
         if error is not None:
             self._record_failure(job, error)
             return
-        self._counters.record(task.result())
+        outcome = task.result()
+        self._counters.record(outcome)
+        if outcome.delivered:  # a dropped (too stale) group neither resets nor counts
+            self._streak.success()
 
     def _record_failure(self, job: GroupJob, error: BaseException) -> None:
         failure = FailedSample(
@@ -519,15 +564,26 @@ class Rollouter:
         )
         self._counters.failed += 1
         self.failures.append(failure)
-        level = logging.DEBUG if self._stop_requested.is_set() else logging.WARNING
-        logger.log(
-            level,
-            "group %s failed (%s: %s); counted as a failed sample",
+        stopping = self._stop_requested.is_set()
+        self._failure_log.log(
+            logging.DEBUG if stopping else logging.WARNING,
             job.group_id,
             failure.error_type,
             failure.message,
             exc_info=None if failure.cancelled else error,
         )
+        if stopping:  # cancellations by stop() (or after giving up) are not a streak
+            return
+        fatal = self._streak.failure(error)
+        if fatal is not None:
+            logger.error("giving up: %s", fatal)
+            self._fatal = fatal
+            self._stop_requested.set()  # the loop ends; run() cancels the rest and raises
+
+    def _final_state(self) -> LoopState:
+        if self._fatal is not None:
+            return "failed"
+        return "stopped" if self._stop_requested.is_set() else "finished"
 
     def _set_state(self, state: LoopState) -> None:
         self._state = state

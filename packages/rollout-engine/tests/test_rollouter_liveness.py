@@ -1,0 +1,144 @@
+"""Liveness at the edges (issue 16): a dead engine or sink ends `run()` with `RolloutFailed`.
+
+These are scheduling tests, so the engine is `rollout_engine.testing.FakeEngine` (a fake) or a
+tiny wrapper of it that misbehaves; the sinks are small fakes of the queue client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+from rollout_engine import (
+    PromptSample,
+    RolloutConfig,
+    Rollouter,
+    RolloutFailed,
+    Trajectory,
+)
+from rollout_engine.testing import FakeEngine, FakeEngineConfig, ListSink, make_prompts, wait_until
+
+
+def zero_reward(sample: PromptSample, trajectory: Trajectory) -> float:
+    return 0.0
+
+
+def _assert_books(rollouter: Rollouter) -> None:
+    s = rollouter.stats()
+    assert s.admitted == s.delivered + s.failed + s.dropped + s.in_flight
+
+
+# ------------------------------------------------------------------ consecutive failures
+
+
+async def test_an_always_raising_engine_ends_run_with_rollout_failed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = FakeEngine(fail_request=lambda request_id: RuntimeError("engine core died"))
+    config = RolloutConfig(group_size=2, max_concurrency=4, batch_size=1000)
+    rollouter = Rollouter(engine, make_prompts(100_000), ListSink(), zero_reward, config)
+    started = time.monotonic()
+    with (
+        caplog.at_level(logging.DEBUG, logger="rollout_engine"),
+        pytest.raises(RolloutFailed) as raised,
+    ):
+        await asyncio.wait_for(rollouter.run(), timeout=10)
+    assert time.monotonic() - started < 10
+    error = raised.value
+    assert isinstance(error.__cause__, RuntimeError)
+    assert str(error.__cause__) == "engine core died"
+    assert "RuntimeError: engine core died" in str(error)
+    assert "32 consecutive" in str(error)
+    assert error.consecutive_failures == 32
+    stats = rollouter.stats()
+    assert stats.state == "failed" == rollouter.state
+    assert stats.in_flight == 0
+    assert 32 <= stats.failed <= 32 + config.max_concurrency
+    assert stats.delivered == 0
+    _assert_books(rollouter)
+    # Logged once with its traceback, then as a count: not once per group.
+    records = [r for r in caplog.records if "engine core died" in r.getMessage()]
+    assert sum(r.exc_info is not None for r in records) == 1
+    assert len(records) <= 3
+    assert any("repeated" in r.getMessage() for r in records)
+
+
+class ClosedSink:
+    """A queue client whose queue is closed: every put raises."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+
+    async def put(self, group: list[Trajectory]) -> None:
+        self.puts += 1
+        raise ConnectionError("queue is closed")
+
+
+async def test_an_always_raising_sink_ends_run_with_rollout_failed() -> None:
+    sink = ClosedSink()
+    config = RolloutConfig(group_size=2, max_concurrency=3, max_consecutive_failures=5)
+    rollouter = Rollouter(FakeEngine(), make_prompts(100_000), sink, zero_reward, config)
+    with pytest.raises(RolloutFailed, match="ConnectionError: queue is closed") as raised:
+        await asyncio.wait_for(rollouter.run(), timeout=10)
+    assert isinstance(raised.value.__cause__, ConnectionError)
+    assert 5 <= sink.puts <= 5 + config.max_concurrency
+    assert rollouter.stats().in_flight == 0
+    _assert_books(rollouter)
+
+
+async def test_a_failure_streak_below_the_limit_does_not_stop_the_run() -> None:
+    # Requests 0-9 fail, then everything works: 10 in a row < 11.
+    failing = {f"p{i}" for i in range(10)}
+
+    def fail(request_id: str) -> BaseException | None:
+        return RuntimeError("warming up") if request_id.split(":")[0] in failing else None
+
+    config = RolloutConfig(group_size=2, max_concurrency=1, max_consecutive_failures=11)
+    sink = ListSink()
+    rollouter = Rollouter(
+        FakeEngine(fail_request=fail), make_prompts(30), sink, zero_reward, config
+    )
+    stats = await asyncio.wait_for(rollouter.run(), timeout=10)
+    assert (stats.state, stats.failed, stats.delivered) == ("finished", 10, 20)
+
+
+async def test_deliveries_reset_the_streak() -> None:
+    # Every other group fails: 15 failures in all, never 2 in a row.
+    def fail(request_id: str) -> BaseException | None:
+        index = int(request_id.split(":")[0][1:])
+        return RuntimeError("flaky") if index % 2 else None
+
+    config = RolloutConfig(group_size=1, max_concurrency=1, max_consecutive_failures=2)
+    rollouter = Rollouter(
+        FakeEngine(fail_request=fail), make_prompts(30), ListSink(), zero_reward, config
+    )
+    stats = await asyncio.wait_for(rollouter.run(), timeout=10)
+    assert (stats.state, stats.failed, stats.delivered) == ("finished", 15, 15)
+
+
+async def test_cancellations_by_stop_do_not_count() -> None:
+    engine = FakeEngine(FakeEngineConfig(time_per_token_s=0.05, fixed_length=1000))
+    config = RolloutConfig(group_size=2, max_concurrency=4, max_consecutive_failures=1)
+    rollouter = Rollouter(engine, make_prompts(100), ListSink(), zero_reward, config)
+    run = asyncio.create_task(rollouter.run())
+    await wait_until(lambda: len(engine.running_request_ids) == 4)
+    await rollouter.stop()
+    stats = await asyncio.wait_for(run, timeout=5)  # no RolloutFailed
+    assert (stats.state, stats.failed) == ("stopped", 4)
+
+
+def test_max_consecutive_failures_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_consecutive_failures"):
+        RolloutConfig(max_consecutive_failures=0)
+    assert RolloutConfig().max_consecutive_failures == 32
+
+
+def test_rollout_failed_survives_pickling() -> None:
+    import pickle
+
+    error = RolloutFailed.after(3, KeyError("x"))
+    copy = pickle.loads(pickle.dumps(error))
+    assert str(copy) == str(error)
+    assert copy.consecutive_failures == 3
