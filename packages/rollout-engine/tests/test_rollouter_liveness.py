@@ -142,3 +142,42 @@ def test_rollout_failed_survives_pickling() -> None:
     copy = pickle.loads(pickle.dumps(error))
     assert str(copy) == str(error)
     assert copy.consecutive_failures == 3
+
+
+# ------------------------------------------------------------------ weight pushes
+
+
+class ResumeFailsOnce(FakeEngine):
+    """The fake engine, but the first `resume()` raises after resuming (a flaky RPC)."""
+
+    def __init__(self, config: FakeEngineConfig) -> None:
+        super().__init__(config)
+        self.resume_failures = 1
+
+    async def resume(self) -> None:
+        await super().resume()
+        if self.resume_failures:
+            self.resume_failures -= 1
+            raise ConnectionError("resume RPC lost")
+
+
+async def test_a_failing_resume_does_not_leave_the_rollouter_paused() -> None:
+    engine = ResumeFailsOnce(FakeEngineConfig(time_per_token_s=0.001, fixed_length=5))
+    config = RolloutConfig(group_size=2, max_concurrency=2, batch_size=2, max_staleness=0)
+    sink = ListSink()
+    rollouter = Rollouter(engine, make_prompts(40), sink, zero_reward, config)
+    run = asyncio.create_task(rollouter.run())
+    try:
+        await wait_until(lambda: rollouter.state == "draining")
+        with pytest.raises(ConnectionError, match="resume RPC lost"):
+            await rollouter.update_weights(None, 1)
+        # The weights were loaded: the rollouter reports them and admits again.
+        assert rollouter.version == 1 == engine.version
+        assert rollouter.state != "paused"
+        await wait_until(lambda: rollouter.stats().admitted > 2, within_s=2)
+        await rollouter.update_weights(None, 2)  # and later pushes work as usual
+        assert rollouter.version == 2
+    finally:
+        await rollouter.stop()
+        await asyncio.wait_for(run, timeout=5)
+    _assert_books(rollouter)

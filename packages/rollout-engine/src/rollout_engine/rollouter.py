@@ -298,8 +298,14 @@ class Rollouter:
 
     async def update_weights(self, weights: Any, version: int) -> None:
         """Pause the engine (`pause_mode`, or "wait" without partial rollout), load the
-        weights, resume it, then `on_weights(version)`. If loading fails the engine is
-        resumed with the old weights and the error is raised."""
+        weights, resume it, then `on_weights(version)`.
+
+        If loading fails, the engine is resumed with the old weights, the rollouter keeps
+        its version and the error is raised. If `engine.resume()` fails, `on_weights` still
+        runs (the rollouter never stays paused) with `version` when the weights were loaded
+        (tokens the engine produces from now on come from them), then the resume error is
+        raised: the caller decides whether a half-resumed engine is fatal; a dead engine
+        fails every group, which ends `run()` with `RolloutFailed`."""
         async with self._weights_lock:
             self.pause()
             loaded = False
@@ -310,8 +316,10 @@ class Rollouter:
                 await self._engine.load_weights(weights, version)
                 loaded = True
             finally:
-                await self._engine.resume()
-                self.on_weights(version if loaded else self._version)
+                try:
+                    await self._engine.resume()
+                finally:
+                    self.on_weights(version if loaded else self._version)
 
     def pause(self) -> None:
         """Stop admitting and hold aborted-request continuations until `on_weights()`.
