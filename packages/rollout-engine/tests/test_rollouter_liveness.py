@@ -7,6 +7,8 @@ tiny wrapper of it that misbehaves; the sinks are small fakes of the queue clien
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import logging
 import time
 
@@ -181,3 +183,51 @@ async def test_a_failing_resume_does_not_leave_the_rollouter_paused() -> None:
         await rollouter.stop()
         await asyncio.wait_for(run, timeout=5)
     _assert_books(rollouter)
+
+
+# ------------------------------------------------------------------ stop
+
+
+class StubbornSink:
+    """A put that ignores cancellation (every one) for `linger_s`, then fails."""
+
+    def __init__(self, linger_s: float) -> None:
+        self.linger_s = linger_s
+        self.entered = 0
+        self.ended = 0
+
+    async def put(self, group: list[Trajectory]) -> None:
+        self.entered += 1
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(30)
+        deadline = time.monotonic() + self.linger_s
+        while (left := deadline - time.monotonic()) > 0:
+            with contextlib.suppress(asyncio.CancelledError):  # ignores every cancellation
+                await asyncio.sleep(left)
+        self.ended += 1
+        raise RuntimeError("ended late")
+
+
+async def test_tasks_that_do_not_unwind_within_stop_timeout_are_counted_and_released() -> None:
+    loop = asyncio.get_running_loop()
+    unhandled: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _, context: unhandled.append(context))
+    sink = StubbornSink(linger_s=0.5)
+    config = RolloutConfig(group_size=1, max_concurrency=3, stop_timeout_s=0.1)
+    rollouter = Rollouter(FakeEngine(), make_prompts(50), sink, zero_reward, config)
+    run = asyncio.create_task(rollouter.run())
+    await wait_until(lambda: sink.entered == 3)
+    started = time.monotonic()
+    await rollouter.stop()
+    stats = await asyncio.wait_for(run, timeout=5)
+    assert time.monotonic() - started < 0.45  # did not wait for the stubborn tasks
+    assert (stats.state, stats.in_flight, stats.failed, stats.admitted) == ("stopped", 0, 3, 3)
+    assert all(f.cancelled and "did not unwind" in f.message for f in rollouter.failures)
+    _assert_books(rollouter)
+    await wait_until(lambda: sink.ended == 3, within_s=3)
+    await asyncio.sleep(0.01)  # let the done-callbacks run
+    del run
+    gc.collect()
+    await asyncio.sleep(0)
+    assert not [c for c in unhandled if "never retrieved" in str(c.get("message"))]
+    assert rollouter.stats().in_flight == 0

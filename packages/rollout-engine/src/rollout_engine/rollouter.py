@@ -209,6 +209,9 @@ class Rollouter:
         self._lock = asyncio.Lock()
         self._active: set[asyncio.Task[GroupOutcome]] = set()
         self._jobs: dict[asyncio.Task[GroupOutcome], GroupJob] = {}
+        # Tasks that ignored cancellation past stop_timeout_s: already counted as failed and
+        # out of `_active`; referenced here until they end (see `_abandon`).
+        self._abandoned: set[asyncio.Task[GroupOutcome]] = set()
         self._counters = RolloutCounters()
         self.failures: list[FailedSample] = []
         self._streak = FailureStreak(config.max_consecutive_failures)
@@ -292,7 +295,10 @@ class Rollouter:
 
     async def stop(self) -> None:
         """Cancel every in-flight group (each becomes a failed sample) and make `run()`
-        return. Returns once the cancelled tasks have unwound (or `stop_timeout_s`)."""
+        return. Returns once the cancelled tasks have unwound, or after `stop_timeout_s`:
+        a task still running then is counted as failed (cancelled) and leaves the active set
+        (`in_flight` returns to 0); it is left to end on its own, and its exception is
+        retrieved and logged at debug level when it does."""
         self._stop_requested.set()
         await self._cancel_in_flight()
 
@@ -492,8 +498,48 @@ class Rollouter:
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=self._config.stop_timeout_s)
             if pending:
-                logger.warning("%d group tasks did not unwind after cancel", len(pending))
+                await self._abandon(pending)
         await self._reap_finished()
+
+    async def _abandon(self, tasks: set[asyncio.Task[GroupOutcome]]) -> None:
+        """Give up on cancelled tasks that did not unwind within `stop_timeout_s`: count each
+        as a failed (cancelled) group now and take it out of `_active`, so the books balance
+        with `in_flight == 0`. A done-callback retrieves its exception when it finally ends
+        (no "Task exception was never retrieved"); `_abandoned` keeps it referenced."""
+        timeout = self._config.stop_timeout_s
+        abandoned = 0
+        async with self._lock:
+            for task in tasks:
+                if task.done() or task not in self._active:
+                    continue  # finished meanwhile (reaped as usual) or already abandoned
+                self._active.discard(task)
+                job = self._jobs.pop(task)
+                self._abandoned.add(task)
+                task.add_done_callback(self._abandoned_task_done)
+                error = asyncio.CancelledError(f"stopped; did not unwind within {timeout} s")
+                self._record_failure(job, error)
+                abandoned += 1
+        if abandoned:
+            logger.warning(
+                "%d group tasks did not unwind within stop_timeout_s=%s after cancel; "
+                "counted as failed and left to end on their own",
+                abandoned,
+                timeout,
+            )
+        self._refresh_idle()
+
+    def _abandoned_task_done(self, task: asyncio.Task[GroupOutcome]) -> None:
+        self._abandoned.discard(task)
+        if task.cancelled():
+            return
+        error = task.exception()  # retrieved: never "Task exception was never retrieved"
+        if error is None:
+            logger.warning(
+                "group task %s ended normally after it was counted as failed at stop",
+                task.get_name(),
+            )
+        else:
+            logger.debug("abandoned group task %s ended with %r", task.get_name(), error)
 
     # ------------------------------------------------------------------ one group
 
