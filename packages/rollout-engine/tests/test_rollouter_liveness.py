@@ -231,3 +231,57 @@ async def test_tasks_that_do_not_unwind_within_stop_timeout_are_counted_and_rele
     await asyncio.sleep(0)
     assert not [c for c in unhandled if "never retrieved" in str(c.get("message"))]
     assert rollouter.stats().in_flight == 0
+
+
+# ------------------------------------------------------------------ nothing grows with the run
+
+
+async def test_failures_keep_the_last_n_counts_per_type_and_a_callback_sees_all() -> None:
+    def fail(request_id: str) -> BaseException | None:
+        index = int(request_id.split(":")[0][1:])
+        return (KeyError if index % 3 else ValueError)(f"bad {index}") if index % 2 else None
+
+    seen = []
+    config = RolloutConfig(group_size=1, max_concurrency=2, recent_failures=5)
+    rollouter = Rollouter(
+        FakeEngine(fail_request=fail),
+        make_prompts(80),
+        ListSink(),
+        zero_reward,
+        config,
+        on_failure=seen.append,
+    )
+    stats = await asyncio.wait_for(rollouter.run(), timeout=10)
+    assert stats.failed == 40
+    assert len(rollouter.failures) == 5
+    assert list(rollouter.failures) == seen[-5:]
+    assert len(seen) == 40
+    expected = {"KeyError": 27, "ValueError": 13}
+    assert rollouter.failure_counts == stats.failure_counts == expected
+
+
+async def test_a_raising_on_failure_callback_is_ignored() -> None:
+    def broken(failure: object) -> None:
+        raise OSError("disk full")
+
+    rollouter = Rollouter(
+        FakeEngine(fail_request=lambda r: RuntimeError("x") if r.startswith("p1:") else None),
+        make_prompts(4),
+        ListSink(),
+        zero_reward,
+        RolloutConfig(group_size=1),
+        on_failure=broken,
+    )
+    stats = await asyncio.wait_for(rollouter.run(), timeout=10)
+    assert (stats.delivered, stats.failed) == (3, 1)
+
+
+def test_drain_interrupt_latencies_are_a_bounded_window_with_a_running_max() -> None:
+    from rollout_engine.metrics import DRAIN_INTERRUPT_WINDOW, RolloutCounters
+
+    counters = RolloutCounters()
+    for i in range(3 * DRAIN_INTERRUPT_WINDOW):
+        counters.record_drain_interrupt(1000.0 if i == 7 else float(i % 10))
+    assert len(counters.drain_interrupts_ms) == DRAIN_INTERRUPT_WINDOW
+    assert counters.drain_interrupt_ms_max == 1000.0
+    assert counters.last_drain_interrupt_ms == float((3 * DRAIN_INTERRUPT_WINDOW - 1) % 10)

@@ -18,12 +18,14 @@ Metric names are part of the interface (design.md):
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
 __all__ = [
+    "DRAIN_INTERRUPT_WINDOW",
     "METRIC_NAMES",
     "STATS_SCHEMA_VERSION",
     "FailedSample",
@@ -35,6 +37,9 @@ __all__ = [
 ]
 
 STATS_SCHEMA_VERSION = 1
+
+# How many recent drain-interrupt latencies the counters keep (the max is kept over the run).
+DRAIN_INTERRUPT_WINDOW = 1024
 
 METRIC_NAMES = (
     "rollout/idle_ratio",
@@ -84,6 +89,7 @@ class RolloutStats(msgspec.Struct, kw_only=True):
     drain_interrupt_ms_max: float = 0.0
     staleness_mean: float = 0.0
     staleness_max: int = 0
+    failure_counts: dict[str, int] = {}  # failed groups by error type name, whole run
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +140,11 @@ class IdleClock:
 
 @dataclass
 class RolloutCounters:
-    """Cumulative counts; mutated only by the rollouter under its state lock."""
+    """Cumulative counts; mutated only by the rollouter under its state lock.
+
+    Nothing here grows with the run: `drain_interrupts_ms` is a window of the last
+    `DRAIN_INTERRUPT_WINDOW` values; the run's max is kept in `drain_interrupt_ms_max`.
+    """
 
     admitted: int = 0
     delivered: int = 0
@@ -146,7 +156,14 @@ class RolloutCounters:
     generated_tokens: int = 0
     staleness_sum: int = 0
     staleness_max: int = 0
-    drain_interrupts_ms: list[float] = field(default_factory=list)
+    drain_interrupts_ms: deque[float] = field(
+        default_factory=lambda: deque(maxlen=DRAIN_INTERRUPT_WINDOW)
+    )
+    drain_interrupt_ms_max: float = 0.0
+
+    def record_drain_interrupt(self, ms: float) -> None:
+        self.drain_interrupts_ms.append(ms)
+        self.drain_interrupt_ms_max = max(self.drain_interrupt_ms_max, ms)
 
     def record(self, outcome: GroupOutcome) -> None:
         self.generated_tokens += outcome.generated_tokens

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter, deque
 from collections.abc import AsyncIterable, Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -127,6 +128,9 @@ class RolloutConfig:
     # engine or a closed sink fails every group. A delivered group resets the count;
     # cancellations by stop() do not count.
     max_consecutive_failures: int = 32
+    # How many recent FailedSamples `Rollouter.failures` keeps (counts per error type are
+    # kept for the whole run; pass `on_failure` to see every one).
+    recent_failures: int = 256
 
     def __post_init__(self) -> None:
         for name in (
@@ -140,6 +144,8 @@ class RolloutConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.recent_failures < 0:
+            raise ValueError(f"recent_failures must be >= 0, got {self.recent_failures}")
         if self.pause_mode not in ("keep", "abort"):
             raise ValueError(f"pause_mode must be 'keep' or 'abort', got {self.pause_mode!r}")
 
@@ -184,6 +190,12 @@ class Rollouter:
 
     `reward_fn(sample, trajectory)` sets each trajectory's reward before delivery.
     `clock` (monotonic seconds) times the metrics.
+
+    Failed groups: `failures` holds the last `config.recent_failures` `FailedSample`s and
+    `failure_counts` the number per error type over the whole run. To keep every one (e.g.
+    to append them to a `failures.jsonl`), pass `on_failure`: it is called with each
+    `FailedSample` on the event loop, so it must not block (hand file writes to a thread);
+    an exception it raises is logged and ignored.
     """
 
     def __init__(
@@ -195,6 +207,7 @@ class Rollouter:
         config: RolloutConfig | None = None,
         preprocessor: MultiModalPreprocessor | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_failure: Callable[[FailedSample], None] | None = None,
     ) -> None:
         self._engine = engine
         self._sink = sink
@@ -213,7 +226,9 @@ class Rollouter:
         # out of `_active`; referenced here until they end (see `_abandon`).
         self._abandoned: set[asyncio.Task[GroupOutcome]] = set()
         self._counters = RolloutCounters()
-        self.failures: list[FailedSample] = []
+        self.failures: deque[FailedSample] = deque(maxlen=config.recent_failures)
+        self._failure_counts: Counter[str] = Counter()
+        self._on_failure = on_failure
         self._streak = FailureStreak(config.max_consecutive_failures)
         self._fatal: RolloutFailed | None = None  # set when the streak reaches its limit
         self._failure_log = RepeatedFailureLog(logger, clock)
@@ -257,7 +272,13 @@ class Rollouter:
 
     @property
     def state(self) -> LoopState:
+        """What the dispatch loop is doing now; see `LoopState`."""
         return self._state
+
+    @property
+    def failure_counts(self) -> dict[str, int]:
+        """Failed groups per error type name (e.g. `{"CancelledError": 4}`), whole run."""
+        return dict(self._failure_counts)
 
     async def run(self) -> RolloutStats:
         """Dispatch until the prompts are exhausted (then deliver what is in flight) or
@@ -370,9 +391,10 @@ class Rollouter:
             elapsed_s=self._idle.elapsed(now),
             idle_s=self._idle.idle(now),
             drain_interrupt_ms=counters.last_drain_interrupt_ms,
-            drain_interrupt_ms_max=max(counters.drain_interrupts_ms, default=0.0),
+            drain_interrupt_ms_max=counters.drain_interrupt_ms_max,
             staleness_mean=counters.staleness_mean,
             staleness_max=counters.staleness_max,
+            failure_counts=dict(self._failure_counts),
         )
 
     def metrics(self) -> dict[str, float]:
@@ -483,7 +505,7 @@ class Rollouter:
         """Record `rollout/drain_interrupt_ms`: on_weights() -> the loop is out of its drain
         wait and dispatches (or is limited only by max_concurrency, which is no drain)."""
         if self._resumed_at is not None:
-            self._counters.drain_interrupts_ms.append((self._clock() - self._resumed_at) * 1e3)
+            self._counters.record_drain_interrupt((self._clock() - self._resumed_at) * 1e3)
             self._resumed_at = None
 
     async def _wait_for_in_flight(self) -> None:
@@ -618,6 +640,12 @@ class Rollouter:
         )
         self._counters.failed += 1
         self.failures.append(failure)
+        self._failure_counts[failure.error_type] += 1
+        if self._on_failure is not None:
+            try:
+                self._on_failure(failure)
+            except Exception:
+                logger.exception("on_failure callback raised; ignored")
         stopping = self._stop_requested.is_set()
         self._failure_log.log(
             logging.DEBUG if stopping else logging.WARNING,
