@@ -10,7 +10,9 @@ import asyncio
 import contextlib
 import gc
 import logging
+import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from rollout_engine import (
@@ -285,3 +287,56 @@ def test_drain_interrupt_latencies_are_a_bounded_window_with_a_running_max() -> 
     assert len(counters.drain_interrupts_ms) == DRAIN_INTERRUPT_WINDOW
     assert counters.drain_interrupt_ms_max == 1000.0
     assert counters.last_drain_interrupt_ms == float((3 * DRAIN_INTERRUPT_WINDOW - 1) % 10)
+
+
+# ------------------------------------------------------------------ CPU work off the loop
+
+
+def slow_prompts(count: int) -> Iterator[PromptSample]:
+    """A sync prompt generator that 'tokenizes' for 0.2 s per prompt."""
+    for prompt in make_prompts(count):
+        time.sleep(0.2)
+        yield prompt
+
+
+def slow_reward(sample: PromptSample, trajectory: Trajectory) -> float:
+    """A reward function (not marked in any way) that takes 0.2 s."""
+    time.sleep(0.2)
+    return 1.0
+
+
+async def _max_tick_gap(until: asyncio.Task[object], interval_s: float = 0.01) -> float:
+    worst = 0.0
+    last = time.monotonic()
+    while not until.done():
+        await asyncio.sleep(interval_s)
+        now = time.monotonic()
+        worst = max(worst, now - last - interval_s)
+        last = now
+    return worst
+
+
+async def test_slow_prompt_iterators_and_reward_functions_do_not_block_the_loop() -> None:
+    sink = ListSink()
+    config = RolloutConfig(group_size=2, max_concurrency=2)
+    rollouter = Rollouter(FakeEngine(), slow_prompts(4), sink, slow_reward, config)
+    run = asyncio.create_task(rollouter.run())
+    lag = await _max_tick_gap(run)
+    stats = await run
+    assert stats.delivered == 4
+    assert all(t.reward == 1.0 for t in sink.trajectories)
+    assert lag < 0.1  # either on the loop would stall it for >= 0.2 s
+
+
+async def test_a_reward_marked_non_blocking_runs_on_the_loop() -> None:
+    loop_thread = threading.get_ident()
+    threads: set[int] = set()
+
+    def cheap_reward(sample: PromptSample, trajectory: Trajectory) -> float:
+        threads.add(threading.get_ident())
+        return 0.5
+
+    cheap_reward.blocking = False  # type: ignore[attr-defined]
+    rollouter = Rollouter(FakeEngine(), make_prompts(3), ListSink(), cheap_reward, RolloutConfig(2))
+    await asyncio.wait_for(rollouter.run(), timeout=10)
+    assert threads == {loop_thread}

@@ -120,7 +120,8 @@ class RolloutConfig:
     pause_mode: Literal["keep", "abort"] = "keep"
     clear_cache: bool = True
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    # Threads for a reward function marked `blocking = True` (it then runs off the loop).
+    # Threads that run the reward function (off the loop; a reward function marked
+    # `blocking = False` runs on the loop instead).
     reward_workers: int = 1
     # How long stop() waits for cancelled tasks to unwind.
     stop_timeout_s: float = 10.0
@@ -167,16 +168,31 @@ def is_cancellation(error: BaseException) -> bool:
 
 
 class _PromptSource:
-    """Reads an iterable or async iterable of prompts one at a time."""
+    """Reads an iterable or async iterable of prompts one at a time.
 
-    def __init__(self, prompts: Iterable[PromptSample] | AsyncIterable[PromptSample]) -> None:
+    A list or tuple is read on the loop (indexing costs nothing). Any other sync iterable
+    (a generator that tokenizes, a dataset) is advanced with `next()` in `executor` (one
+    thread: iterators are not thread-safe, and one fetch runs at a time), so tokenizing
+    prompts never blocks the loop. An async iterable is awaited.
+    """
+
+    def __init__(
+        self,
+        prompts: Iterable[PromptSample] | AsyncIterable[PromptSample],
+        executor: Callable[[], Executor],
+    ) -> None:
         self._async = aiter(prompts) if isinstance(prompts, AsyncIterable) else None
         self._sync = iter(prompts) if not isinstance(prompts, AsyncIterable) else None
+        self._in_memory = isinstance(prompts, list | tuple)
+        self._executor = executor
 
     async def next(self) -> PromptSample | None:
         """The next prompt, or None once the prompts are exhausted."""
         if self._sync is not None:
-            return next(self._sync, None)
+            if self._in_memory:
+                return next(self._sync, None)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor(), next, self._sync, None)
         assert self._async is not None
         try:
             return await anext(self._async)
@@ -213,7 +229,7 @@ class Rollouter:
         self._sink = sink
         self._config = config = config if config is not None else RolloutConfig()
         self._clock = clock
-        self._prompts = _PromptSource(prompts)
+        self._prompts = _PromptSource(prompts, self._prompt_executor)
         self._version = engine.version
         self._admission = AdmissionPolicy(
             config.max_staleness, config.samples_per_version, base_version=self._version
@@ -247,6 +263,7 @@ class Rollouter:
         self._idle = IdleClock()
         self._run_started = False
         self._reward_pool: ThreadPoolExecutor | None = None
+        self._prompt_pool: ThreadPoolExecutor | None = None
         self._groups = GroupRunner(
             engine,
             reward_fn,
@@ -299,8 +316,9 @@ class Rollouter:
             self._set_state(self._final_state())
             self._idle.stop(self._clock())
             self._failure_log.flush()
-            if self._reward_pool is not None:
-                self._reward_pool.shutdown(wait=False, cancel_futures=True)
+            for pool in (self._reward_pool, self._prompt_pool):
+                if pool is not None:
+                    pool.shutdown(wait=False, cancel_futures=True)
         stats = self.stats()
         logger.info(
             "rollout %s: %d admitted, %d delivered, %d failed, %d dropped",
@@ -595,6 +613,13 @@ class Rollouter:
     async def _count_resubmit(self) -> None:
         async with self._lock:
             self._counters.resumed += 1
+
+    def _prompt_executor(self) -> Executor:
+        if self._prompt_pool is None:
+            self._prompt_pool = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="rollout-prompts"
+            )
+        return self._prompt_pool
 
     def _reward_executor(self) -> Executor:
         if self._reward_pool is None:
