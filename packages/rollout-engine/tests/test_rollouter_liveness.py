@@ -20,6 +20,7 @@ from rollout_engine import (
     RolloutConfig,
     Rollouter,
     RolloutFailed,
+    SamplingConfig,
     Trajectory,
 )
 from rollout_engine.testing import FakeEngine, FakeEngineConfig, ListSink, make_prompts, wait_until
@@ -305,15 +306,16 @@ def slow_reward(sample: PromptSample, trajectory: Trajectory) -> float:
     return 1.0
 
 
-async def _max_tick_gap(until: asyncio.Task[object], interval_s: float = 0.01) -> float:
-    worst = 0.0
+async def _tick_gaps(until: asyncio.Task[object], interval_s: float = 0.01) -> list[float]:
+    """How late each tick of a 10 ms ticker on the loop was, while `until` runs."""
+    gaps = []
     last = time.monotonic()
     while not until.done():
         await asyncio.sleep(interval_s)
         now = time.monotonic()
-        worst = max(worst, now - last - interval_s)
+        gaps.append(now - last - interval_s)
         last = now
-    return worst
+    return gaps
 
 
 async def test_slow_prompt_iterators_and_reward_functions_do_not_block_the_loop() -> None:
@@ -321,11 +323,13 @@ async def test_slow_prompt_iterators_and_reward_functions_do_not_block_the_loop(
     config = RolloutConfig(group_size=2, max_concurrency=2)
     rollouter = Rollouter(FakeEngine(), slow_prompts(4), sink, slow_reward, config)
     run = asyncio.create_task(rollouter.run())
-    lag = await _max_tick_gap(run)
+    gaps = await _tick_gaps(run)
     stats = await run
     assert stats.delivered == 4
     assert all(t.reward == 1.0 for t in sink.trajectories)
-    assert lag < 0.1  # either on the loop would stall it for >= 0.2 s
+    # On the loop, each of the 4 prompts and 8 rewards would stall it for >= 0.2 s; allow
+    # one long gap for a loaded machine.
+    assert len([gap for gap in gaps if gap >= 0.15]) <= 1, sorted(gaps)[-5:]
 
 
 async def test_a_reward_marked_non_blocking_runs_on_the_loop() -> None:
@@ -340,3 +344,41 @@ async def test_a_reward_marked_non_blocking_runs_on_the_loop() -> None:
     rollouter = Rollouter(FakeEngine(), make_prompts(3), ListSink(), cheap_reward, RolloutConfig(2))
     await asyncio.wait_for(rollouter.run(), timeout=10)
     assert threads == {loop_thread}
+
+
+# ------------------------------------------------------------------ staleness at delivery
+
+
+class GatedSink(ListSink):
+    """The first put waits until `release` is set (a full queue)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def put(self, group: list[Trajectory]) -> None:
+        if not self.groups:
+            self.waiting.set()
+            await self.release.wait()
+        await super().put(group)
+
+
+async def test_staleness_is_measured_when_a_blocked_put_completes() -> None:
+    sink = GatedSink()
+    config = RolloutConfig(
+        group_size=2, batch_size=1, max_staleness=0, sampling=SamplingConfig(max_tokens=8)
+    )
+    rollouter = Rollouter(FakeEngine(), make_prompts(1), sink, zero_reward, config)
+    run = asyncio.create_task(rollouter.run())
+    await asyncio.wait_for(sink.waiting.wait(), timeout=5)
+    await rollouter.update_weights(None, 1)  # while the put waits
+    sink.release.set()
+    stats = await asyncio.wait_for(run, timeout=5)
+    # Fresh when judged (just before the put), so delivered, not dropped; one version
+    # old when the sink took it, and that is what the metrics report.
+    assert (stats.delivered, stats.dropped) == (1, 0)
+    assert {min(t.token_versions) for t in sink.trajectories} == {0}
+    assert stats.staleness_max == 1
+    assert rollouter.metrics()["staleness/max"] == 1.0
+    assert stats.staleness_mean == 1.0

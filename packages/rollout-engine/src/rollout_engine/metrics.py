@@ -12,7 +12,9 @@ Metric names are part of the interface (design.md):
 - `rollout/drain_interrupt_ms`: the last measured time from `on_weights()` (while the loop
   was blocked on a pause or the budget) to the loop dispatching its next group.
 - `staleness/mean`, `staleness/max`: `v_now - min(token versions)` of delivered responses,
-  measured at delivery, over the whole run.
+  over the whole run, with `v_now` the version when the sink's `put` returned. The drop
+  check (`> max_staleness`) runs just before the put; a put that waits across weight pushes
+  (a full queue) delivers a staler group, and `staleness/max` then reports more than `k`.
 - `tokens/s`: tokens generated (delivered and dropped groups) / run seconds.
 """
 
@@ -97,7 +99,7 @@ class GroupOutcome:
     """What a finished group task reports back to the loop."""
 
     delivered: bool
-    staleness: tuple[int, ...]  # per response, at delivery
+    staleness: tuple[int, ...]  # per response; when the sink's put returned, if delivered
     generated_tokens: int
     partial: int
 

@@ -20,12 +20,19 @@ lock that the dispatch loop never takes.
 
 Staleness: see `rollout_engine.admission` for the budget
 `(k + 1 + v) * batch_size * sync_every - (delivered + in_flight)` and for why groups are
-also checked (and dropped, counted) at delivery.
+also checked (and dropped, counted) at delivery. Precisely: a finished group is judged
+against the current version immediately before `await sink.put(group)`, with no await in
+between, and dropped if too stale. The put itself may wait (a full queue) across weight
+pushes, and a group cannot be recalled once handed over, so no drop happens after it; the
+staleness recorded for `staleness/mean|max` is measured again when the put returns, at the
+version then. It can exceed `max_staleness` in that case (the consumer's own check at
+consumption catches such a group); the metric reports what was actually delivered.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter, deque
@@ -595,14 +602,19 @@ class Rollouter:
             )
             return outcome
         await self._sink.put(trajectories)
-        return outcome
+        # The put may have waited across weight pushes: the metrics report the staleness of
+        # what was delivered, at the version when the sink took it (see the module docstring).
+        return dataclasses.replace(outcome, staleness=self._staleness(job, trajectories))
 
-    def _outcome(self, job: GroupJob, trajectories: list[Trajectory]) -> GroupOutcome:
-        """Staleness against the current version; `delivered=False` means drop."""
-        staleness = tuple(
+    def _staleness(self, job: GroupJob, trajectories: list[Trajectory]) -> tuple[int, ...]:
+        return tuple(
             self._admission.staleness(self._version, t.token_versions, job.version)
             for t in trajectories
         )
+
+    def _outcome(self, job: GroupJob, trajectories: list[Trajectory]) -> GroupOutcome:
+        """Staleness against the current version; `delivered=False` means drop."""
+        staleness = self._staleness(job, trajectories)
         return GroupOutcome(
             delivered=not self._admission.too_stale(max(staleness, default=0)),
             staleness=staleness,
