@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import logging
+import shlex
 import sys
 
 from rich.console import Console
@@ -24,7 +26,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "drain": ("bench_app.drain_bench", "resume-to-dispatch latency vs wait-for-all drain"),
     "rollout": ("bench_app.rollout_bench", "tokens/s: Rollouter+VLLMEngine vs AsyncLLM direct"),
     "trainer": ("bench_app.trainer_bench", "tokens/s: PPOTrainer vs a minimal torch loop"),
-    "e2e": ("bench_app.e2e_bench", "wall time: --mode async vs --mode sync, same samples"),
+    "e2e": ("bench_app.e2e_bench", "time to reward 0.7: async vs its sync mode, 3 seeds"),
 }
 
 
@@ -55,6 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", nargs="?", help="benchmark to run")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     parser.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
+    parser.add_argument("--seeds", type=int, help="e2e: seeds 0..N-1 (default 3)")
+    parser.add_argument("--steps", type=int, help="e2e: trainer steps per run (default 160)")
+    parser.add_argument(
+        "--app-args",
+        default="",
+        help="e2e: extra `apps/train` options for every run, e.g. '--pacing eager'",
+    )
     args = parser.parse_args(argv)
     if args.list or not args.name:
         for name, (_, description) in BENCHES.items():
@@ -67,7 +76,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(BENCHES[args.name][0])
-    report: BenchReport = module.run(quick=args.quick)
+    options = {"seeds": args.seeds, "steps": args.steps, "app_args": shlex.split(args.app_args)}
+    options = {k: v for k, v in options.items() if v}
+    accepted = inspect.signature(module.run).parameters
+    refused = sorted(set(options) - set(accepted))
+    if refused:
+        flags = ", ".join("--" + k.replace("_", "-") for k in refused)
+        print(f"benchmark {args.name!r} takes no {flags}", file=sys.stderr)
+        return 2
+    report: BenchReport = module.run(quick=args.quick, **options)
     console = Console(stderr=False)
     _print_report(args.name, report, console)
     sys.stdout.flush()

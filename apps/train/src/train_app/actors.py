@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ class RolloutSpec:
     max_concurrency: int
     sync_every: int
     max_staleness: int
+    pacing: str
     partial_rollout: bool
     pause_mode: str
     max_tokens: int
@@ -63,6 +65,7 @@ class RolloutActor:
         self._spec = spec
         self._queue = queue
         self._run_task: asyncio.Task[Any] | None = None
+        self._stale_drops_seen = 0
 
     async def start(self) -> float:
         """Start the engine (tens of seconds on CPU) and the rollout loop; returns startup s."""
@@ -102,6 +105,7 @@ class RolloutActor:
             batch_size=max(1, spec.batch_size // spec.replicas),
             sync_every=spec.sync_every,
             max_staleness=spec.max_staleness,
+            pacing=spec.pacing,  # type: ignore[arg-type]
             partial_rollout=spec.partial_rollout,
             pause_mode=spec.pause_mode,  # type: ignore[arg-type]
             sampling=SamplingConfig(
@@ -150,6 +154,22 @@ class RolloutActor:
 
     async def update_weights(self, weights: dict[str, Any], version: int) -> None:
         await self._rollouter.update_weights(weights, version)
+        await self._report_downstream_drops()
+
+    async def _report_downstream_drops(self) -> None:
+        """Groups the queue dropped as too stale free their admission slots (otherwise each
+        drop shrinks generate-ahead for good). The queue counts drops for all replicas
+        together; replica i takes drops i, i + n, i + 2n, ... so the shares sum to the total."""
+        try:
+            stats = await self._queue.stats()
+        except Exception:  # a failing queue is reported by the driver
+            return
+        total = stats.dropped.get("stale", 0)
+        n, i = self._spec.replicas, self._spec.replica
+        share = (total - i + n - 1) // n if total > i else 0
+        if share > self._stale_drops_seen:
+            self._rollouter.on_downstream_drop(share - self._stale_drops_seen)
+            self._stale_drops_seen = share
 
     async def metrics(self) -> dict[str, Any]:
         metrics = dict(self._rollouter.metrics())
@@ -233,9 +253,13 @@ class TrainerActor:
         self._queue = queue
         self._rollout_actors = rollout_actors
         self._records: list[tuple[int, dict[str, Any]]] = []
+        self._train_started: float | None = None
 
     def log(self, metrics: dict[str, Any], step: int) -> None:  # MetricsSink
-        self._records.append((step, dict(metrics)))
+        # `trainer/wall_s`: seconds since training began (after the model load), so time to
+        # a target reward compares sync and async runs on the same footing.
+        wall_s = time.monotonic() - self._train_started if self._train_started else 0.0
+        self._records.append((step, {**metrics, "trainer/wall_s": wall_s}))
 
     async def train(self) -> dict[str, Any]:
         """Train to `steps`; returns the summary and the consumed group ids."""
@@ -294,6 +318,7 @@ class TrainerActor:
             weights = await asyncio.to_thread(export_weights, self._trainer.model)
             await sink.push_weights(weights, self._trainer.version)
         source = QueueBatchSource(self._queue, spec.max_staleness, skip_ids=skip)
+        self._train_started = time.monotonic()
         summary = await self._trainer.train(source, end_of_stream=(QueueClosed,))
         if self._trainer.step % max(spec.checkpoint_every, 1) != 0 or not spec.checkpoint_every:
             await self._save_final(checkpoints)

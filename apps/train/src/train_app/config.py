@@ -48,6 +48,11 @@ class TrainConfig:
     max_staleness: int = 2
     """k: the trainer never consumes a sample more than k weight versions old."""
 
+    pacing: Literal["fresh", "eager"] = "fresh"
+    """How far ahead the rollouter generates within the staleness bound: `fresh` admits only
+    what keeps the trainer fed (samples about one version old when the trainer is the
+    bottleneck), `eager` spends all k versions at once."""
+
     sync_every: int = 1
     """Trainer steps between weight pushes (each push is one new policy version)."""
 

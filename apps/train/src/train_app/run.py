@@ -176,6 +176,7 @@ class _Session:
                     max_concurrency=c.max_concurrency,
                     sync_every=c.sync_every,
                     max_staleness=k,
+                    pacing=c.pacing,
                     partial_rollout=c.effective_partial_rollout,
                     pause_mode=c.pause_mode,
                     max_tokens=c.max_tokens,

@@ -28,10 +28,21 @@ their admission order) nothing is dropped.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
 
-__all__ = ["AdmissionPolicy"]
+__all__ = [
+    "AdmissionPolicy",
+    "EagerPacing",
+    "FreshPacing",
+    "PacingName",
+    "PacingPolicy",
+    "make_pacing",
+]
+
+PacingName = Literal["eager", "fresh"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +63,16 @@ class AdmissionPolicy:
         if self.samples_per_version < 1:
             raise ValueError(f"samples_per_version must be >= 1, got {self.samples_per_version}")
 
-    def budget(self, version: int, delivered: int, in_flight: int) -> int:
-        """`(k + 1 + v) * S - (delivered + in_flight)`; admission stops when it is <= 0."""
-        versions_ahead = self.max_staleness + 1 + (version - self.base_version)
+    def budget(
+        self, version: int, delivered: int, in_flight: int, lookahead: int | None = None
+    ) -> int:
+        """`(j + 1 + v) * S - (delivered + in_flight)`; admission stops when it is <= 0.
+
+        `j` is the pacing lookahead (default and upper bound: k). `delivered` should not count
+        groups a consumer dropped downstream (see the module docstring).
+        """
+        j = self.max_staleness if lookahead is None else max(0, min(lookahead, self.max_staleness))
+        versions_ahead = j + 1 + (version - self.base_version)
         return versions_ahead * self.samples_per_version - (delivered + in_flight)
 
     @staticmethod
@@ -67,3 +85,104 @@ class AdmissionPolicy:
     def too_stale(self, staleness: int) -> bool:
         """True when a group must be dropped at delivery (`staleness > k`)."""
         return staleness > self.max_staleness
+
+
+@runtime_checkable
+class PacingPolicy(Protocol):
+    """Chooses how many versions ahead of the consumer admission may run (see the module
+    docstring). The rollouter calls `on_version` at every weight version it hears of and
+    `on_group_generated` when a group's generation ends; both are cheap and synchronous."""
+
+    def lookahead(self, max_staleness: int) -> int:
+        """Versions ahead to admit, 0 <= j <= max_staleness."""
+        ...
+
+    def on_version(self, now: float) -> None: ...
+
+    def on_group_generated(self, latency_s: float) -> None: ...
+
+
+@dataclass(slots=True)
+class EagerPacing:
+    """Admit as far ahead as the staleness bound allows (j = k)."""
+
+    def lookahead(self, max_staleness: int) -> int:
+        return max_staleness
+
+    def on_version(self, now: float) -> None:
+        return None
+
+    def on_group_generated(self, latency_s: float) -> None:
+        return None
+
+
+@dataclass(slots=True)
+class FreshPacing:
+    """Admit only as far ahead as keeps the consumer fed (see the module docstring).
+
+    `samples_per_version` (S) and `max_concurrency` give the number of generation waves per
+    version; `margin` is the relative head-room on the batch latency (0.25: start the batch
+    after next as soon as this one would take more than 80 % of a version interval);
+    `smoothing` is the weight of a new observation in the exponential moving averages. Until
+    both a latency and an interval have been seen, `initial_lookahead` is used (1: assume the
+    trainer is the bottleneck; an eager start would make the first batches k stale).
+    """
+
+    samples_per_version: int
+    max_concurrency: int
+    margin: float = 0.25
+    smoothing: float = 0.3
+    initial_lookahead: int = 1
+    interval_s: float | None = field(default=None, init=False)
+    latency_s: float | None = field(default=None, init=False)
+    _last_version_at: float | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.samples_per_version < 1 or self.max_concurrency < 1:
+            raise ValueError("samples_per_version and max_concurrency must be >= 1")
+        if self.margin < 0:
+            raise ValueError(f"margin must be >= 0, got {self.margin}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+        if self.initial_lookahead < 0:
+            raise ValueError(f"initial_lookahead must be >= 0, got {self.initial_lookahead}")
+
+    @property
+    def batch_latency_s(self) -> float | None:
+        """Estimated seconds to generate one version's worth of groups."""
+        if self.latency_s is None:
+            return None
+        waves = math.ceil(self.samples_per_version / self.max_concurrency)
+        return self.latency_s * waves
+
+    def lookahead(self, max_staleness: int) -> int:
+        batch_latency = self.batch_latency_s
+        if batch_latency is None or self.interval_s is None or self.interval_s <= 0:
+            wanted = self.initial_lookahead
+        else:
+            wanted = math.ceil(batch_latency * (1.0 + self.margin) / self.interval_s)
+        return max(min(1, max_staleness), min(wanted, max_staleness))
+
+    def on_version(self, now: float) -> None:
+        if self._last_version_at is not None:
+            self.interval_s = self._average(self.interval_s, now - self._last_version_at)
+        self._last_version_at = now
+
+    def on_group_generated(self, latency_s: float) -> None:
+        self.latency_s = self._average(self.latency_s, max(0.0, latency_s))
+
+    def _average(self, current: float | None, sample: float) -> float:
+        if current is None:
+            return sample
+        return (1.0 - self.smoothing) * current + self.smoothing * sample
+
+
+def make_pacing(
+    name: PacingName, samples_per_version: int, max_concurrency: int, margin: float = 0.25
+) -> PacingPolicy:
+    """The named policy for a rollouter (`"eager"` or `"fresh"`)."""
+    if name == "eager":
+        return EagerPacing()
+    if name == "fresh":
+        return FreshPacing(samples_per_version, max_concurrency, margin=margin)
+    raise ValueError(f"unknown pacing {name!r}; expected 'eager' or 'fresh'")

@@ -11,6 +11,8 @@ Metric names are part of the interface (design.md):
   version (generated across a push, in keep or abort mode) / delivered responses.
 - `rollout/drain_interrupt_ms`: the last measured time from `on_weights()` (while the loop
   was blocked on a pause or the budget) to the loop dispatching its next group.
+- `rollout/pacing_lookahead`: versions beyond the current one that admission may run ahead
+  now (the pacing policy's choice; at most `max_staleness`).
 - `staleness/mean`, `staleness/max`: `v_now - min(token versions)` of delivered responses,
   over the whole run, with `v_now` the version when the sink's `put` returned. The drop
   check (`> max_staleness`) runs just before the put; a put that waits across weight pushes
@@ -48,6 +50,7 @@ METRIC_NAMES = (
     "rollout/active_tasks",
     "rollout/partial_ratio",
     "rollout/drain_interrupt_ms",
+    "rollout/pacing_lookahead",
     "staleness/mean",
     "staleness/max",
     "tokens/s",
@@ -91,6 +94,8 @@ class RolloutStats(msgspec.Struct, kw_only=True):
     drain_interrupt_ms_max: float = 0.0
     staleness_mean: float = 0.0
     staleness_max: int = 0
+    downstream_dropped: int = 0  # delivered, then dropped by the consumer (on_downstream_drop)
+    lookahead: int = 0  # pacing: versions admission may run ahead now (<= max_staleness)
     failure_counts: dict[str, int] = {}  # failed groups by error type name, whole run
 
 

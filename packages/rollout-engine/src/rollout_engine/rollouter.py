@@ -18,9 +18,10 @@ critical sections with no await inside; the lock is never held while waiting on 
 when the budget is exhausted, set by `on_weights()`. Weight pushes are serialized by a second
 lock that the dispatch loop never takes.
 
-Staleness: see `rollout_engine.admission` for the budget
-`(k + 1 + v) * batch_size * sync_every - (delivered + in_flight)` and for why groups are
-also checked (and dropped, counted) at delivery. Precisely: a finished group is judged
+Staleness: see `rollout_engine.admission` for the budget `(j + 1 + v) * batch_size *
+sync_every - (delivered + in_flight)`, where the pacing policy's lookahead `j <= k` (eager:
+j = k; fresh, the default: the smallest j that keeps the consumer fed), and for why groups
+are also checked (and dropped, counted) at delivery. Precisely: a finished group is judged
 against the current version immediately before `await sink.put(group)`, with no await in
 between, and dropped if too stale. The put itself may wait (a full queue) across weight
 pushes, and a group cannot be recalled once handed over, so no drop happens after it; the
@@ -41,7 +42,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rollout_engine.admission import AdmissionPolicy
+from rollout_engine.admission import AdmissionPolicy, PacingName, PacingPolicy, make_pacing
 from rollout_engine.failures import FailureStreak, RepeatedFailureLog, RolloutFailed
 from rollout_engine.group import GroupJob, GroupRunner
 from rollout_engine.metrics import (
@@ -123,6 +124,11 @@ class RolloutConfig:
     batch_size: int = 16
     sync_every: int = 1
     max_staleness: int = 2
+    # "fresh": admit only as far ahead as keeps the consumer fed (fresher samples);
+    # "eager": spend the whole staleness budget at once. See rollout_engine.admission.
+    pacing: PacingName = "fresh"
+    # Fresh pacing's relative head-room on the measured batch generation latency.
+    pacing_margin: float = 0.25
     partial_rollout: bool = True
     pause_mode: Literal["keep", "abort"] = "keep"
     clear_cache: bool = True
@@ -152,6 +158,10 @@ class RolloutConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.pacing not in ("eager", "fresh"):
+            raise ValueError(f"pacing must be 'eager' or 'fresh', got {self.pacing!r}")
+        if self.pacing_margin < 0:
+            raise ValueError(f"pacing_margin must be >= 0, got {self.pacing_margin}")
         if self.recent_failures < 0:
             raise ValueError(f"recent_failures must be >= 0, got {self.recent_failures}")
         if self.pause_mode not in ("keep", "abort"):
@@ -212,7 +222,8 @@ class Rollouter:
     into `sink`, under the staleness budget; see the module docstring for the loop.
 
     `reward_fn(sample, trajectory)` sets each trajectory's reward before delivery.
-    `clock` (monotonic seconds) times the metrics.
+    `clock` (monotonic seconds) times the metrics and the pacing estimates.
+    `pacing` overrides the policy named by `config.pacing` (any `PacingPolicy`).
 
     Failed groups: `failures` holds the last `config.recent_failures` `FailedSample`s and
     `failure_counts` the number per error type over the whole run. To keep every one (e.g.
@@ -230,6 +241,7 @@ class Rollouter:
         config: RolloutConfig | None = None,
         preprocessor: MultiModalPreprocessor | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pacing: PacingPolicy | None = None,
         on_failure: Callable[[FailedSample], None] | None = None,
     ) -> None:
         self._engine = engine
@@ -241,6 +253,17 @@ class Rollouter:
         self._admission = AdmissionPolicy(
             config.max_staleness, config.samples_per_version, base_version=self._version
         )
+        self._pacing = (
+            pacing
+            if pacing is not None
+            else make_pacing(
+                config.pacing,
+                config.samples_per_version,
+                config.max_concurrency,
+                margin=config.pacing_margin,
+            )
+        )
+        self._downstream_dropped = 0
         # Shared state; changed only under _lock, in critical sections without awaits.
         self._lock = asyncio.Lock()
         self._active: set[asyncio.Task[GroupOutcome]] = set()
@@ -388,6 +411,8 @@ class Rollouter:
         version) and wake the dispatch loop at once. Call it after every weight push."""
         if version < self._version:
             logger.warning("weight version went backwards: %d -> %d", self._version, version)
+        if version > self._version:
+            self._pacing.on_version(self._clock())
         if self._state in ("draining", "paused"):
             self._resumed_at = self._clock()
         self._version = version
@@ -395,6 +420,19 @@ class Rollouter:
         self._weights_live.set()
         self._running.set()
         self._refresh_idle()
+
+    def on_downstream_drop(self, count: int = 1) -> None:
+        """A consumer dropped `count` groups this rollouter delivered (too stale at
+        consumption): their admission slots are freed, so generate-ahead does not shrink."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        self._downstream_dropped = min(self._downstream_dropped + count, self._counters.delivered)
+        self._running.set()  # the budget may have reopened: re-check at once
+
+    @property
+    def lookahead(self) -> int:
+        """Versions beyond the current one that admission may run ahead (pacing, <= k)."""
+        return self._pacing.lookahead(self._config.max_staleness)
 
     def stats(self) -> RolloutStats:
         """A snapshot; cheap and lock-free (safe to call while the loop waits)."""
@@ -419,6 +457,8 @@ class Rollouter:
             drain_interrupt_ms_max=counters.drain_interrupt_ms_max,
             staleness_mean=counters.staleness_mean,
             staleness_max=counters.staleness_max,
+            downstream_dropped=self._downstream_dropped,
+            lookahead=self.lookahead,
             failure_counts=dict(self._failure_counts),
         )
 
@@ -431,6 +471,7 @@ class Rollouter:
             "rollout/active_tasks": float(stats.in_flight),
             "rollout/partial_ratio": self._counters.partial_ratio,
             "rollout/drain_interrupt_ms": stats.drain_interrupt_ms,
+            "rollout/pacing_lookahead": float(stats.lookahead),
             "staleness/mean": stats.staleness_mean,
             "staleness/max": float(stats.staleness_max),
             "tokens/s": stats.generated_tokens / elapsed if elapsed > 0 else 0.0,
@@ -467,7 +508,12 @@ class Rollouter:
         return None
 
     def _budget(self) -> int:
-        return self._admission.budget(self._version, self._counters.delivered, len(self._active))
+        return self._admission.budget(
+            self._version,
+            self._counters.delivered - self._downstream_dropped,
+            len(self._active),
+            lookahead=self.lookahead,
+        )
 
     async def _wait_while_blocked(self, blocker: _Blocker) -> None:
         if blocker == "concurrency":
@@ -592,6 +638,7 @@ class Rollouter:
 
     async def _run_group(self, job: GroupJob) -> GroupOutcome:
         trajectories = await self._groups.run(job)
+        self._pacing.on_group_generated(self._clock() - job.admitted_at)
         outcome = self._outcome(job, trajectories)
         if not outcome.delivered:
             logger.info(
