@@ -100,7 +100,9 @@ async def test_a_failure_streak_below_the_limit_does_not_stop_the_run() -> None:
     def fail(request_id: str) -> BaseException | None:
         return RuntimeError("warming up") if request_id.split(":")[0] in failing else None
 
-    config = RolloutConfig(group_size=2, max_concurrency=1, max_consecutive_failures=11)
+    config = RolloutConfig(
+        group_size=2, max_concurrency=1, batch_size=100, max_consecutive_failures=11
+    )
     sink = ListSink()
     rollouter = Rollouter(
         FakeEngine(fail_request=fail), make_prompts(30), sink, zero_reward, config
@@ -115,7 +117,9 @@ async def test_deliveries_reset_the_streak() -> None:
         index = int(request_id.split(":")[0][1:])
         return RuntimeError("flaky") if index % 2 else None
 
-    config = RolloutConfig(group_size=1, max_concurrency=1, max_consecutive_failures=2)
+    config = RolloutConfig(
+        group_size=1, max_concurrency=1, batch_size=100, max_consecutive_failures=2
+    )
     rollouter = Rollouter(
         FakeEngine(fail_request=fail), make_prompts(30), ListSink(), zero_reward, config
     )
@@ -245,7 +249,8 @@ async def test_failures_keep_the_last_n_counts_per_type_and_a_callback_sees_all(
         return (KeyError if index % 3 else ValueError)(f"bad {index}") if index % 2 else None
 
     seen = []
-    config = RolloutConfig(group_size=1, max_concurrency=2, recent_failures=5)
+    # batch_size 100: the staleness budget never blocks (there are no weight pushes here).
+    config = RolloutConfig(group_size=1, max_concurrency=2, batch_size=100, recent_failures=5)
     rollouter = Rollouter(
         FakeEngine(fail_request=fail),
         make_prompts(80),
