@@ -166,7 +166,14 @@ async def test_run_twice_is_an_error() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", [{"group_size": 0}, {"max_concurrency": 0}, {"max_staleness": -1}, {"pause_mode": "x"}]
+    "bad",
+    [
+        {"group_size": 0},
+        {"max_concurrency": 0},
+        {"max_staleness": -1},
+        {"pause_mode": "x"},
+        {"recent_failures": -1},
+    ],
 )
 def test_config_is_validated(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):

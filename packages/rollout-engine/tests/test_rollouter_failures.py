@@ -118,7 +118,7 @@ async def test_seeded_random_failures_with_pushes_keep_the_books_balanced() -> N
     assert stats.admitted == 60
     assert stats.failed > 5
     assert stats.admitted == stats.delivered + stats.failed + stats.dropped
-    assert len(rollouter.failures) == stats.failed
+    assert sum(rollouter.failure_counts.values()) == stats.failed == len(rollouter.failures)
 
 
 # ------------------------------------------------------------------ multimodal

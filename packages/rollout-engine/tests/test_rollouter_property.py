@@ -114,7 +114,8 @@ class _Schedule:
         assert stats.admitted == self.prompt_count
         assert stats.admitted == stats.delivered + stats.failed + stats.dropped
         assert len(self.sink.groups) == stats.delivered
-        assert len(self.rollouter.failures) == stats.failed
+        assert sum(self.rollouter.failure_counts.values()) == stats.failed
+        assert len(self.rollouter.failures) == min(stats.failed, self.config.recent_failures)
 
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))

@@ -182,7 +182,8 @@ class RolloutActor:
         return _process_tree()
 
     async def failures(self) -> list[dict[str, Any]]:
-        """Every failed sample (id, error type and message), as plain data."""
+        """The most recent failed samples (id, error type and message; the last
+        `RolloutConfig.recent_failures`), as plain data."""
         import msgspec
 
         return [msgspec.to_builtins(f) for f in self._rollouter.failures]

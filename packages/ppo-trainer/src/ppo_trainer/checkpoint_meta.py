@@ -24,6 +24,13 @@ class TrainerState:
     `consumed_sample_ids` are the `Trajectory.sample_id`s trained on or dropped as stale;
     `consumed_group_ids` the distinct `group_id`s among them, in first-seen order (a queue
     that stores one item per group skips by these on resume).
+
+    Size: both grow with the run (a resume must know every prompt already trained on until
+    the prompt source can checkpoint its own position). The file stays compact: when the
+    sample ids are exactly `f"{group_id}:{i}"` for `i < n` group by group (the rollouter's
+    naming), only the group ids and run-length-encoded group sizes are written
+    (`consumed_group_sizes: [[n, repeat], ...]`) instead of every sample id; anything else
+    falls back to the full `consumed_sample_ids` list. `read_checkpoint_meta` reads both.
     """
 
     step: int
@@ -32,12 +39,18 @@ class TrainerState:
     consumed_group_ids: tuple[str, ...] = ()
 
     def to_json(self, config: dict[str, Any] | None = None) -> str:
+        sizes = _compact_sample_ids(self.consumed_sample_ids, self.consumed_group_ids)
+        samples: dict[str, Any] = (
+            {"consumed_group_sizes": sizes}
+            if sizes is not None
+            else {"consumed_sample_ids": list(self.consumed_sample_ids)}
+        )
         return json.dumps(
             {
                 "format": CHECKPOINT_FORMAT,
                 "step": self.step,
                 "version": self.version,
-                "consumed_sample_ids": list(self.consumed_sample_ids),
+                **samples,
                 "consumed_group_ids": list(self.consumed_group_ids),
                 "config": config or {},
             }
@@ -47,12 +60,48 @@ class TrainerState:
 def read_checkpoint_meta(path: str | Path) -> TrainerState:
     """Step, version and consumed ids of the checkpoint directory `path` (no tensors read)."""
     meta = _read(Path(path))
+    group_ids = tuple(meta.get("consumed_group_ids", ()))
+    if "consumed_group_sizes" in meta:
+        sample_ids = _expand_sample_ids(group_ids, meta["consumed_group_sizes"])
+    else:
+        sample_ids = tuple(meta.get("consumed_sample_ids", ()))
     return TrainerState(
         step=int(meta["step"]),
         version=int(meta["version"]),
-        consumed_sample_ids=tuple(meta.get("consumed_sample_ids", ())),
-        consumed_group_ids=tuple(meta.get("consumed_group_ids", ())),
+        consumed_sample_ids=sample_ids,
+        consumed_group_ids=group_ids,
     )
+
+
+def _compact_sample_ids(
+    sample_ids: tuple[str, ...], group_ids: tuple[str, ...]
+) -> list[list[int]] | None:
+    """Run-length-encoded group sizes when `sample_ids` are `f"{group}:{i}"`, group by group
+    in `group_ids` order; None when they are not (then the full list is written)."""
+    sizes: list[list[int]] = []
+    position = 0
+    for group_id in group_ids:
+        count = 0
+        while (
+            position + count < len(sample_ids)
+            and sample_ids[position + count] == f"{group_id}:{count}"
+        ):
+            count += 1
+        if count == 0:
+            return None
+        position += count
+        if sizes and sizes[-1][0] == count:
+            sizes[-1][1] += 1
+        else:
+            sizes.append([count, 1])
+    return sizes if position == len(sample_ids) else None
+
+
+def _expand_sample_ids(group_ids: tuple[str, ...], sizes: list[list[int]]) -> tuple[str, ...]:
+    counts = [size for size, repeat in sizes for _ in range(repeat)]
+    if len(counts) != len(group_ids):
+        raise ValueError("consumed_group_sizes does not match consumed_group_ids")
+    return tuple(f"{g}:{i}" for g, n in zip(group_ids, counts, strict=True) for i in range(n))
 
 
 def read_saved_config(path: str | Path) -> dict[str, Any]:

@@ -471,20 +471,22 @@ class PPOTrainer:
 
 
 class _ConsumedIds:
-    """Sample ids (in order) and distinct group ids (first-seen order) consumed so far."""
+    """Distinct sample ids and group ids consumed so far, each in first-seen order.
+
+    Insertion-ordered sets (dict keys): a sample seen twice (re-delivered) is stored once.
+    They grow with the run; a resume needs them until the prompt source checkpoints its
+    position, and `TrainerState.to_json` writes them compactly.
+    """
 
     def __init__(self, sample_ids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> None:
-        self.sample_ids = list(sample_ids)
-        self.group_ids = list(group_ids)
-        self._groups_seen = set(group_ids)
+        self.sample_ids: dict[str, None] = dict.fromkeys(sample_ids)
+        self.group_ids: dict[str, None] = dict.fromkeys(group_ids)
 
     def add_groups(self, groups: Sequence[list[Trajectory]]) -> None:
         for group in groups:
-            self.sample_ids.extend(t.sample_id for t in group)
             for t in group:
-                if t.group_id not in self._groups_seen:
-                    self._groups_seen.add(t.group_id)
-                    self.group_ids.append(t.group_id)
+                self.sample_ids[t.sample_id] = None
+                self.group_ids[t.group_id] = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from rollout_engine.rollouter import FailedSample, RolloutConfig, Rollouter, RolloutStats
+from rollout_engine.rollouter import (
+    FailedSample,
+    LoopState,
+    RolloutConfig,
+    Rollouter,
+    RolloutFailed,
+    RolloutStats,
+)
 from rollout_engine.types import (
     TRAJECTORY_SCHEMA_VERSION,
     Completion,
@@ -31,12 +38,14 @@ __all__ = [
     "Completion",
     "FailedSample",
     "GenerationEngine",
+    "LoopState",
     "MultiModalPreprocessor",
     "MultiModalRef",
     "PauseMode",
     "PromptSample",
     "RewardFn",
     "RolloutConfig",
+    "RolloutFailed",
     "RolloutStats",
     "Rollouter",
     "SamplingConfig",

@@ -51,7 +51,9 @@ class GroupRunner:
 
     `wait_until_resumed` blocks while a weight push is in progress (continuations wait on
     it); `on_resubmit` is awaited once per continuation request (for the `resumed` count).
-    A reward function with a truthy `blocking` attribute runs in `reward_executor`.
+    The reward function runs in `reward_executor` (off the event loop: rewards often decode
+    tokens or run a verifier) unless it is marked `reward_fn.blocking = False`, which runs it
+    on the loop (for trivially cheap functions; it saves one thread hop per group).
     """
 
     def __init__(
@@ -162,7 +164,7 @@ class GroupRunner:
         ]
 
     async def _score(self, sample: PromptSample, trajectories: list[Trajectory]) -> None:
-        if getattr(self._reward_fn, "blocking", False):
+        if getattr(self._reward_fn, "blocking", True):
             loop = asyncio.get_running_loop()
             rewards = await loop.run_in_executor(
                 self._reward_executor(), _score_all, self._reward_fn, sample, trajectories

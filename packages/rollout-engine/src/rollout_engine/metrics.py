@@ -14,18 +14,22 @@ Metric names are part of the interface (design.md):
 - `rollout/pacing_lookahead`: versions beyond the current one that admission may run ahead
   now (the pacing policy's choice; at most `max_staleness`).
 - `staleness/mean`, `staleness/max`: `v_now - min(token versions)` of delivered responses,
-  measured at delivery, over the whole run.
+  over the whole run, with `v_now` the version when the sink's `put` returned. The drop
+  check (`> max_staleness`) runs just before the put; a put that waits across weight pushes
+  (a full queue) delivers a staler group, and `staleness/max` then reports more than `k`.
 - `tokens/s`: tokens generated (delivered and dropped groups) / run seconds.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
 __all__ = [
+    "DRAIN_INTERRUPT_WINDOW",
     "METRIC_NAMES",
     "STATS_SCHEMA_VERSION",
     "FailedSample",
@@ -37,6 +41,9 @@ __all__ = [
 ]
 
 STATS_SCHEMA_VERSION = 1
+
+# How many recent drain-interrupt latencies the counters keep (the max is kept over the run).
+DRAIN_INTERRUPT_WINDOW = 1024
 
 METRIC_NAMES = (
     "rollout/idle_ratio",
@@ -89,6 +96,7 @@ class RolloutStats(msgspec.Struct, kw_only=True):
     staleness_max: int = 0
     downstream_dropped: int = 0  # delivered, then dropped by the consumer (on_downstream_drop)
     lookahead: int = 0  # pacing: versions admission may run ahead now (<= max_staleness)
+    failure_counts: dict[str, int] = {}  # failed groups by error type name, whole run
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +104,7 @@ class GroupOutcome:
     """What a finished group task reports back to the loop."""
 
     delivered: bool
-    staleness: tuple[int, ...]  # per response, at delivery
+    staleness: tuple[int, ...]  # per response; when the sink's put returned, if delivered
     generated_tokens: int
     partial: int
 
@@ -139,7 +147,11 @@ class IdleClock:
 
 @dataclass
 class RolloutCounters:
-    """Cumulative counts; mutated only by the rollouter under its state lock."""
+    """Cumulative counts; mutated only by the rollouter under its state lock.
+
+    Nothing here grows with the run: `drain_interrupts_ms` is a window of the last
+    `DRAIN_INTERRUPT_WINDOW` values; the run's max is kept in `drain_interrupt_ms_max`.
+    """
 
     admitted: int = 0
     delivered: int = 0
@@ -151,7 +163,14 @@ class RolloutCounters:
     generated_tokens: int = 0
     staleness_sum: int = 0
     staleness_max: int = 0
-    drain_interrupts_ms: list[float] = field(default_factory=list)
+    drain_interrupts_ms: deque[float] = field(
+        default_factory=lambda: deque(maxlen=DRAIN_INTERRUPT_WINDOW)
+    )
+    drain_interrupt_ms_max: float = 0.0
+
+    def record_drain_interrupt(self, ms: float) -> None:
+        self.drain_interrupts_ms.append(ms)
+        self.drain_interrupt_ms_max = max(self.drain_interrupt_ms_max, ms)
 
     def record(self, outcome: GroupOutcome) -> None:
         self.generated_tokens += outcome.generated_tokens

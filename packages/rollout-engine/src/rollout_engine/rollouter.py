@@ -18,23 +18,32 @@ critical sections with no await inside; the lock is never held while waiting on 
 when the budget is exhausted, set by `on_weights()`. Weight pushes are serialized by a second
 lock that the dispatch loop never takes.
 
-Staleness: see `rollout_engine.admission` for the budget
-`(j + 1 + v) * batch_size * sync_every - (delivered + in_flight)`, where the pacing policy's
-lookahead `j <= k` (eager: j = k; fresh, the default: the smallest j that keeps the consumer
-fed), and for why groups are also checked (and dropped, counted) at delivery.
+Staleness: see `rollout_engine.admission` for the budget `(j + 1 + v) * batch_size *
+sync_every - (delivered + in_flight)`, where the pacing policy's lookahead `j <= k` (eager:
+j = k; fresh, the default: the smallest j that keeps the consumer fed), and for why groups
+are also checked (and dropped, counted) at delivery. Precisely: a finished group is judged
+against the current version immediately before `await sink.put(group)`, with no await in
+between, and dropped if too stale. The put itself may wait (a full queue) across weight
+pushes, and a group cannot be recalled once handed over, so no drop happens after it; the
+staleness recorded for `staleness/mean|max` is measured again when the put returns, at the
+version then. It can exceed `max_staleness` in that case (the consumer's own check at
+consumption catches such a group); the metric reports what was actually delivered.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+from collections import Counter, deque
 from collections.abc import AsyncIterable, Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rollout_engine.admission import AdmissionPolicy, PacingName, PacingPolicy, make_pacing
+from rollout_engine.failures import FailureStreak, RepeatedFailureLog, RolloutFailed
 from rollout_engine.group import GroupJob, GroupRunner
 from rollout_engine.metrics import (
     FailedSample,
@@ -59,6 +68,7 @@ __all__ = [
     "FailedSample",
     "LoopState",
     "RolloutConfig",
+    "RolloutFailed",
     "RolloutStats",
     "Rollouter",
     "is_cancellation",
@@ -67,16 +77,34 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 LoopState = Literal[
-    "idle",  # run() not started
-    "fetching",  # waiting for the prompt source
-    "admitting",  # just dispatched a group
-    "saturated",  # max_concurrency groups in flight
-    "draining",  # admission budget exhausted; waiting for a task or on_weights()
-    "paused",  # a weight push is in progress; waiting for on_weights()
-    "finishing",  # prompts exhausted; waiting for the last groups
+    "idle",
+    "fetching",
+    "admitting",
+    "saturated",
+    "draining",
+    "paused",
+    "finishing",
     "stopped",
     "finished",
+    "failed",
 ]
+"""What the dispatch loop is doing now (`Rollouter.state`, `RolloutStats.state`).
+
+- `"idle"`: `run()` has not started.
+- `"fetching"`: waiting for the prompt source's next prompt (finished groups are still
+  reaped meanwhile).
+- `"admitting"`: a group was just dispatched; the loop goes round again at once.
+- `"saturated"`: `max_concurrency` groups are in flight; waiting for one to finish.
+- `"draining"`: the staleness budget is exhausted; waiting for a group to finish or for
+  `on_weights()` (which ends the wait at once).
+- `"paused"`: a weight push is in progress (`pause()` was called); waiting for
+  `on_weights()`.
+- `"finishing"`: the prompts are exhausted; waiting for the last groups in flight.
+- `"stopped"` (final): `stop()` was called; in-flight groups were cancelled.
+- `"finished"` (final): every prompt was delivered, failed or dropped.
+- `"failed"` (final): `max_consecutive_failures` groups failed in a row; `run()` raised
+  `RolloutFailed`.
+"""
 _Blocker = Literal["paused", "budget", "concurrency"]
 
 
@@ -105,13 +133,27 @@ class RolloutConfig:
     pause_mode: Literal["keep", "abort"] = "keep"
     clear_cache: bool = True
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    # Threads for a reward function marked `blocking = True` (it then runs off the loop).
+    # Threads that run the reward function (off the loop; a reward function marked
+    # `blocking = False` runs on the loop instead).
     reward_workers: int = 1
     # How long stop() waits for cancelled tasks to unwind.
     stop_timeout_s: float = 10.0
+    # Give up (run() raises RolloutFailed) after this many groups in a row failed: a dead
+    # engine or a closed sink fails every group. A delivered group resets the count;
+    # cancellations by stop() do not count.
+    max_consecutive_failures: int = 32
+    # How many recent FailedSamples `Rollouter.failures` keeps (counts per error type are
+    # kept for the whole run; pass `on_failure` to see every one).
+    recent_failures: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("group_size", "max_concurrency", "batch_size", "sync_every"):
+        for name in (
+            "group_size",
+            "max_concurrency",
+            "batch_size",
+            "sync_every",
+            "max_consecutive_failures",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_staleness < 0:
@@ -120,6 +162,8 @@ class RolloutConfig:
             raise ValueError(f"pacing must be 'eager' or 'fresh', got {self.pacing!r}")
         if self.pacing_margin < 0:
             raise ValueError(f"pacing_margin must be >= 0, got {self.pacing_margin}")
+        if self.recent_failures < 0:
+            raise ValueError(f"recent_failures must be >= 0, got {self.recent_failures}")
         if self.pause_mode not in ("keep", "abort"):
             raise ValueError(f"pause_mode must be 'keep' or 'abort', got {self.pause_mode!r}")
 
@@ -141,16 +185,31 @@ def is_cancellation(error: BaseException) -> bool:
 
 
 class _PromptSource:
-    """Reads an iterable or async iterable of prompts one at a time."""
+    """Reads an iterable or async iterable of prompts one at a time.
 
-    def __init__(self, prompts: Iterable[PromptSample] | AsyncIterable[PromptSample]) -> None:
+    A list or tuple is read on the loop (indexing costs nothing). Any other sync iterable
+    (a generator that tokenizes, a dataset) is advanced with `next()` in `executor` (one
+    thread: iterators are not thread-safe, and one fetch runs at a time), so tokenizing
+    prompts never blocks the loop. An async iterable is awaited.
+    """
+
+    def __init__(
+        self,
+        prompts: Iterable[PromptSample] | AsyncIterable[PromptSample],
+        executor: Callable[[], Executor],
+    ) -> None:
         self._async = aiter(prompts) if isinstance(prompts, AsyncIterable) else None
         self._sync = iter(prompts) if not isinstance(prompts, AsyncIterable) else None
+        self._in_memory = isinstance(prompts, list | tuple)
+        self._executor = executor
 
     async def next(self) -> PromptSample | None:
         """The next prompt, or None once the prompts are exhausted."""
         if self._sync is not None:
-            return next(self._sync, None)
+            if self._in_memory:
+                return next(self._sync, None)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor(), next, self._sync, None)
         assert self._async is not None
         try:
             return await anext(self._async)
@@ -165,6 +224,12 @@ class Rollouter:
     `reward_fn(sample, trajectory)` sets each trajectory's reward before delivery.
     `clock` (monotonic seconds) times the metrics and the pacing estimates.
     `pacing` overrides the policy named by `config.pacing` (any `PacingPolicy`).
+
+    Failed groups: `failures` holds the last `config.recent_failures` `FailedSample`s and
+    `failure_counts` the number per error type over the whole run. To keep every one (e.g.
+    to append them to a `failures.jsonl`), pass `on_failure`: it is called with each
+    `FailedSample` on the event loop, so it must not block (hand file writes to a thread);
+    an exception it raises is logged and ignored.
     """
 
     def __init__(
@@ -177,12 +242,13 @@ class Rollouter:
         preprocessor: MultiModalPreprocessor | None = None,
         clock: Callable[[], float] = time.monotonic,
         pacing: PacingPolicy | None = None,
+        on_failure: Callable[[FailedSample], None] | None = None,
     ) -> None:
         self._engine = engine
         self._sink = sink
         self._config = config = config if config is not None else RolloutConfig()
         self._clock = clock
-        self._prompts = _PromptSource(prompts)
+        self._prompts = _PromptSource(prompts, self._prompt_executor)
         self._version = engine.version
         self._admission = AdmissionPolicy(
             config.max_staleness, config.samples_per_version, base_version=self._version
@@ -202,8 +268,16 @@ class Rollouter:
         self._lock = asyncio.Lock()
         self._active: set[asyncio.Task[GroupOutcome]] = set()
         self._jobs: dict[asyncio.Task[GroupOutcome], GroupJob] = {}
+        # Tasks that ignored cancellation past stop_timeout_s: already counted as failed and
+        # out of `_active`; referenced here until they end (see `_abandon`).
+        self._abandoned: set[asyncio.Task[GroupOutcome]] = set()
         self._counters = RolloutCounters()
-        self.failures: list[FailedSample] = []
+        self.failures: deque[FailedSample] = deque(maxlen=config.recent_failures)
+        self._failure_counts: Counter[str] = Counter()
+        self._on_failure = on_failure
+        self._streak = FailureStreak(config.max_consecutive_failures)
+        self._fatal: RolloutFailed | None = None  # set when the streak reaches its limit
+        self._failure_log = RepeatedFailureLog(logger, clock)
         # Signals.
         self._running = asyncio.Event()  # set: admitting; clear: paused (push or budget)
         self._running.set()
@@ -219,6 +293,7 @@ class Rollouter:
         self._idle = IdleClock()
         self._run_started = False
         self._reward_pool: ThreadPoolExecutor | None = None
+        self._prompt_pool: ThreadPoolExecutor | None = None
         self._groups = GroupRunner(
             engine,
             reward_fn,
@@ -244,11 +319,21 @@ class Rollouter:
 
     @property
     def state(self) -> LoopState:
+        """What the dispatch loop is doing now; see `LoopState`."""
         return self._state
+
+    @property
+    def failure_counts(self) -> dict[str, int]:
+        """Failed groups per error type name (e.g. `{"CancelledError": 4}`), whole run."""
+        return dict(self._failure_counts)
 
     async def run(self) -> RolloutStats:
         """Dispatch until the prompts are exhausted (then deliver what is in flight) or
-        `stop()` is called. Returns the final stats."""
+        `stop()` is called. Returns the final stats.
+
+        Raises `RolloutFailed` (`__cause__`: the last group's error) once
+        `max_consecutive_failures` groups in a row have failed; in-flight groups are
+        cancelled first, as by `stop()`."""
         if self._run_started:
             raise RuntimeError("Rollouter.run() can only be called once")
         self._run_started = True
@@ -258,10 +343,12 @@ class Rollouter:
             await self._wait_for_in_flight()
         finally:
             await self._cancel_in_flight()
-            self._set_state("stopped" if self._stop_requested.is_set() else "finished")
+            self._set_state(self._final_state())
             self._idle.stop(self._clock())
-            if self._reward_pool is not None:
-                self._reward_pool.shutdown(wait=False, cancel_futures=True)
+            self._failure_log.flush()
+            for pool in (self._reward_pool, self._prompt_pool):
+                if pool is not None:
+                    pool.shutdown(wait=False, cancel_futures=True)
         stats = self.stats()
         logger.info(
             "rollout %s: %d admitted, %d delivered, %d failed, %d dropped",
@@ -271,18 +358,29 @@ class Rollouter:
             stats.failed,
             stats.dropped,
         )
+        if self._fatal is not None:
+            raise self._fatal
         return stats
 
     async def stop(self) -> None:
         """Cancel every in-flight group (each becomes a failed sample) and make `run()`
-        return. Returns once the cancelled tasks have unwound (or `stop_timeout_s`)."""
+        return. Returns once the cancelled tasks have unwound, or after `stop_timeout_s`:
+        a task still running then is counted as failed (cancelled) and leaves the active set
+        (`in_flight` returns to 0); it is left to end on its own, and its exception is
+        retrieved and logged at debug level when it does."""
         self._stop_requested.set()
         await self._cancel_in_flight()
 
     async def update_weights(self, weights: Any, version: int) -> None:
         """Pause the engine (`pause_mode`, or "wait" without partial rollout), load the
-        weights, resume it, then `on_weights(version)`. If loading fails the engine is
-        resumed with the old weights and the error is raised."""
+        weights, resume it, then `on_weights(version)`.
+
+        If loading fails, the engine is resumed with the old weights, the rollouter keeps
+        its version and the error is raised. If `engine.resume()` fails, `on_weights` still
+        runs (the rollouter never stays paused) with `version` when the weights were loaded
+        (tokens the engine produces from now on come from them), then the resume error is
+        raised: the caller decides whether a half-resumed engine is fatal; a dead engine
+        fails every group, which ends `run()` with `RolloutFailed`."""
         async with self._weights_lock:
             self.pause()
             loaded = False
@@ -293,8 +391,10 @@ class Rollouter:
                 await self._engine.load_weights(weights, version)
                 loaded = True
             finally:
-                await self._engine.resume()
-                self.on_weights(version if loaded else self._version)
+                try:
+                    await self._engine.resume()
+                finally:
+                    self.on_weights(version if loaded else self._version)
 
     def pause(self) -> None:
         """Stop admitting and hold aborted-request continuations until `on_weights()`.
@@ -354,11 +454,12 @@ class Rollouter:
             elapsed_s=self._idle.elapsed(now),
             idle_s=self._idle.idle(now),
             drain_interrupt_ms=counters.last_drain_interrupt_ms,
-            drain_interrupt_ms_max=max(counters.drain_interrupts_ms, default=0.0),
+            drain_interrupt_ms_max=counters.drain_interrupt_ms_max,
             staleness_mean=counters.staleness_mean,
             staleness_max=counters.staleness_max,
             downstream_dropped=self._downstream_dropped,
             lookahead=self.lookahead,
+            failure_counts=dict(self._failure_counts),
         )
 
     def metrics(self) -> dict[str, float]:
@@ -381,6 +482,8 @@ class Rollouter:
     async def _dispatch_until_exhausted(self) -> None:
         while not self._stop_requested.is_set():
             await self._reap_finished()
+            if self._stop_requested.is_set():  # stop(), or reaping gave up (RolloutFailed)
+                return
             if self._pending is None:
                 self._pending = await self._fetch_prompt()
                 if self._pending is None:
@@ -473,7 +576,7 @@ class Rollouter:
         """Record `rollout/drain_interrupt_ms`: on_weights() -> the loop is out of its drain
         wait and dispatches (or is limited only by max_concurrency, which is no drain)."""
         if self._resumed_at is not None:
-            self._counters.drain_interrupts_ms.append((self._clock() - self._resumed_at) * 1e3)
+            self._counters.record_drain_interrupt((self._clock() - self._resumed_at) * 1e3)
             self._resumed_at = None
 
     async def _wait_for_in_flight(self) -> None:
@@ -488,8 +591,48 @@ class Rollouter:
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=self._config.stop_timeout_s)
             if pending:
-                logger.warning("%d group tasks did not unwind after cancel", len(pending))
+                await self._abandon(pending)
         await self._reap_finished()
+
+    async def _abandon(self, tasks: set[asyncio.Task[GroupOutcome]]) -> None:
+        """Give up on cancelled tasks that did not unwind within `stop_timeout_s`: count each
+        as a failed (cancelled) group now and take it out of `_active`, so the books balance
+        with `in_flight == 0`. A done-callback retrieves its exception when it finally ends
+        (no "Task exception was never retrieved"); `_abandoned` keeps it referenced."""
+        timeout = self._config.stop_timeout_s
+        abandoned = 0
+        async with self._lock:
+            for task in tasks:
+                if task.done() or task not in self._active:
+                    continue  # finished meanwhile (reaped as usual) or already abandoned
+                self._active.discard(task)
+                job = self._jobs.pop(task)
+                self._abandoned.add(task)
+                task.add_done_callback(self._abandoned_task_done)
+                error = asyncio.CancelledError(f"stopped; did not unwind within {timeout} s")
+                self._record_failure(job, error)
+                abandoned += 1
+        if abandoned:
+            logger.warning(
+                "%d group tasks did not unwind within stop_timeout_s=%s after cancel; "
+                "counted as failed and left to end on their own",
+                abandoned,
+                timeout,
+            )
+        self._refresh_idle()
+
+    def _abandoned_task_done(self, task: asyncio.Task[GroupOutcome]) -> None:
+        self._abandoned.discard(task)
+        if task.cancelled():
+            return
+        error = task.exception()  # retrieved: never "Task exception was never retrieved"
+        if error is None:
+            logger.warning(
+                "group task %s ended normally after it was counted as failed at stop",
+                task.get_name(),
+            )
+        else:
+            logger.debug("abandoned group task %s ended with %r", task.get_name(), error)
 
     # ------------------------------------------------------------------ one group
 
@@ -506,14 +649,19 @@ class Rollouter:
             )
             return outcome
         await self._sink.put(trajectories)
-        return outcome
+        # The put may have waited across weight pushes: the metrics report the staleness of
+        # what was delivered, at the version when the sink took it (see the module docstring).
+        return dataclasses.replace(outcome, staleness=self._staleness(job, trajectories))
 
-    def _outcome(self, job: GroupJob, trajectories: list[Trajectory]) -> GroupOutcome:
-        """Staleness against the current version; `delivered=False` means drop."""
-        staleness = tuple(
+    def _staleness(self, job: GroupJob, trajectories: list[Trajectory]) -> tuple[int, ...]:
+        return tuple(
             self._admission.staleness(self._version, t.token_versions, job.version)
             for t in trajectories
         )
+
+    def _outcome(self, job: GroupJob, trajectories: list[Trajectory]) -> GroupOutcome:
+        """Staleness against the current version; `delivered=False` means drop."""
+        staleness = self._staleness(job, trajectories)
         return GroupOutcome(
             delivered=not self._admission.too_stale(max(staleness, default=0)),
             staleness=staleness,
@@ -524,6 +672,13 @@ class Rollouter:
     async def _count_resubmit(self) -> None:
         async with self._lock:
             self._counters.resumed += 1
+
+    def _prompt_executor(self) -> Executor:
+        if self._prompt_pool is None:
+            self._prompt_pool = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="rollout-prompts"
+            )
+        return self._prompt_pool
 
     def _reward_executor(self) -> Executor:
         if self._reward_pool is None:
@@ -553,7 +708,10 @@ class Rollouter:
         if error is not None:
             self._record_failure(job, error)
             return
-        self._counters.record(task.result())
+        outcome = task.result()
+        self._counters.record(outcome)
+        if outcome.delivered:  # a dropped (too stale) group neither resets nor counts
+            self._streak.success()
 
     def _record_failure(self, job: GroupJob, error: BaseException) -> None:
         failure = FailedSample(
@@ -566,15 +724,32 @@ class Rollouter:
         )
         self._counters.failed += 1
         self.failures.append(failure)
-        level = logging.DEBUG if self._stop_requested.is_set() else logging.WARNING
-        logger.log(
-            level,
-            "group %s failed (%s: %s); counted as a failed sample",
+        self._failure_counts[failure.error_type] += 1
+        if self._on_failure is not None:
+            try:
+                self._on_failure(failure)
+            except Exception:
+                logger.exception("on_failure callback raised; ignored")
+        stopping = self._stop_requested.is_set()
+        self._failure_log.log(
+            logging.DEBUG if stopping else logging.WARNING,
             job.group_id,
             failure.error_type,
             failure.message,
             exc_info=None if failure.cancelled else error,
         )
+        if stopping:  # cancellations by stop() (or after giving up) are not a streak
+            return
+        fatal = self._streak.failure(error)
+        if fatal is not None:
+            logger.error("giving up: %s", fatal)
+            self._fatal = fatal
+            self._stop_requested.set()  # the loop ends; run() cancels the rest and raises
+
+    def _final_state(self) -> LoopState:
+        if self._fatal is not None:
+            return "failed"
+        return "stopped" if self._stop_requested.is_set() else "finished"
 
     def _set_state(self, state: LoopState) -> None:
         self._state = state

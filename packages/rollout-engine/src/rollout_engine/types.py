@@ -143,7 +143,9 @@ class TrajectorySink(Protocol):
 
 
 class RewardFn(Protocol):
-    """Scores one response of a prompt; called off the event loop if `blocking`."""
+    """Scores one response of a prompt. It runs in the rollouter's reward thread pool (off
+    the event loop) unless it has an attribute `blocking = False`, which runs it on the loop:
+    set that only for functions that take microseconds."""
 
     def __call__(self, sample: PromptSample, trajectory: Trajectory) -> float: ...
 

@@ -1,0 +1,59 @@
+"""`trainer_state.json`: consumed ids round-trip, compactly when they follow the rollouter's
+`f"{group_id}:{i}"` naming (torch-free)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ppo_trainer import TrainerState, read_checkpoint_meta
+from ppo_trainer.checkpoint_meta import STATE_FILE
+
+
+def _roundtrip(tmp_path: Path, state: TrainerState) -> tuple[TrainerState, dict]:
+    (tmp_path / STATE_FILE).write_text(state.to_json())
+    return read_checkpoint_meta(tmp_path), json.loads((tmp_path / STATE_FILE).read_text())
+
+
+def test_rollouter_named_samples_are_stored_as_group_sizes(tmp_path: Path) -> None:
+    groups = [f"p{i}:{i * 3}" for i in range(1000)]
+    sizes = [8] * 600 + [4] * 400
+    samples = tuple(f"{g}:{k}" for g, n in zip(groups, sizes, strict=True) for k in range(n))
+    state = TrainerState(
+        step=7, version=3, consumed_sample_ids=samples, consumed_group_ids=tuple(groups)
+    )
+    read, raw = _roundtrip(tmp_path, state)
+    assert read == state
+    assert "consumed_sample_ids" not in raw
+    assert raw["consumed_group_sizes"] == [[8, 600], [4, 400]]
+    full = len(json.dumps(list(samples)))
+    assert len((tmp_path / STATE_FILE).read_text()) < full / 4
+
+
+def test_other_sample_ids_fall_back_to_the_full_list(tmp_path: Path) -> None:
+    for samples, group_ids in [
+        (("a/0", "a/1", "b/0"), ("a", "b")),  # another naming
+        (("a:0", "a:1", "b:1"), ("a", "b")),  # a gap
+        (("a:0", "b:0", "a:1"), ("a", "b")),  # interleaved groups
+        (("a:0", "a:1", "x"), ("a",)),  # a stray sample
+    ]:
+        state = TrainerState(
+            step=1, version=1, consumed_sample_ids=samples, consumed_group_ids=group_ids
+        )
+        read, raw = _roundtrip(tmp_path, state)
+        assert read == state
+        assert raw["consumed_sample_ids"] == list(samples)
+
+
+def test_empty_and_old_format_files_read_back(tmp_path: Path) -> None:
+    read, _ = _roundtrip(tmp_path, TrainerState(step=0, version=0))
+    assert read == TrainerState(step=0, version=0)
+    old = {
+        "format": 1,
+        "step": 2,
+        "version": 1,
+        "consumed_sample_ids": ["g:0", "g:1"],
+        "consumed_group_ids": ["g"],
+    }
+    (tmp_path / STATE_FILE).write_text(json.dumps(old))
+    assert read_checkpoint_meta(tmp_path).consumed_sample_ids == ("g:0", "g:1")
