@@ -27,6 +27,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "rollout": ("bench_app.rollout_bench", "tokens/s: Rollouter+VLLMEngine vs AsyncLLM direct"),
     "trainer": ("bench_app.trainer_bench", "tokens/s: PPOTrainer vs a minimal torch loop"),
     "e2e": ("bench_app.e2e_bench", "time to reward 0.7: async vs its sync mode, 3 seeds"),
+    "study": ("bench_app.study_bench", "time to 0.7 over k x pacing x correction, 3 seeds each"),
 }
 
 
@@ -57,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", nargs="?", help="benchmark to run")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     parser.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
-    parser.add_argument("--seeds", type=int, help="e2e: seeds 0..N-1 (default 3)")
-    parser.add_argument("--steps", type=int, help="e2e: trainer steps per run (default 160)")
+    parser.add_argument("--seeds", type=int, help="e2e, study: seeds 0..N-1 (default 3)")
+    parser.add_argument("--steps", type=int, help="e2e, study: trainer steps per run (default 160)")
     parser.add_argument(
         "--app-args",
         default="",

@@ -1,0 +1,87 @@
+"""`uv run apps/bench study`: what closes the gap between async and sync, by measurement.
+
+Runs the real app for a grid of settings (staleness bound k, pacing, off-policy correction)
+over the same seeds and reports, per setting, the seconds and steps to a 10-step running mean
+reward of 0.7 and the final reward (last tenth), per seed and as means. The sync run (k = 0)
+is the reference. `--app-args` are added to every run; `--quick` runs a 2-setting smoke grid.
+
+The grid and the resulting table live in packages/ppo-trainer/README.md ("Off-policy study").
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench_app.e2e_bench import TARGET, RunFigures, _round, _run_app
+from bench_app.report import BenchReport
+
+# label -> (mode, app options). k = 0 is the sync mode.
+GRID: dict[str, tuple[str, tuple[str, ...]]] = {
+    "sync (k=0)": ("sync", ()),
+    "k=1 eager": ("async", ("--max-staleness", "1", "--pacing", "eager")),
+    "k=2 eager": ("async", ("--max-staleness", "2", "--pacing", "eager")),
+    "k=4 eager": ("async", ("--max-staleness", "4", "--pacing", "eager")),
+    "k=2 fresh": ("async", ("--max-staleness", "2", "--pacing", "fresh")),
+    "k=4 fresh": ("async", ("--max-staleness", "4", "--pacing", "fresh")),
+    "k=2 eager, no IS correction": (
+        "async",
+        ("--max-staleness", "2", "--pacing", "eager", "--no-behaviour-logprobs"),
+    ),
+}
+QUICK_GRID = ("sync (k=0)", "k=2 fresh")
+
+
+def run(
+    quick: bool,
+    seeds: int = 3,
+    steps: int | None = None,
+    app_args: Sequence[str] = (),
+    grid: Sequence[str] | None = None,
+) -> BenchReport:
+    steps = steps if steps is not None else (30 if quick else 160)
+    labels = list(grid if grid is not None else (QUICK_GRID if quick else GRID))
+    runs_dir = Path(
+        tempfile.mkdtemp(prefix="bench-study-", dir="runs" if Path("runs").is_dir() else None)
+    )
+    rows = []
+    figures: dict[str, dict[str, object]] = {}
+    for index, label in enumerate(labels):
+        mode, options = GRID[label]
+        results: list[RunFigures] = []
+        for seed in range(seeds):
+            run_dir = runs_dir / f"setting{index}"
+            results.append(_run_app(mode, seed, steps, run_dir, [*options, *app_args]))
+        reached = [r.s_to_target for r in results]
+        row = {
+            "setting": label,
+            "s to 0.7 per seed": " / ".join(_fmt(v) for v in reached),
+            "s to 0.7 mean": round(statistics.fmean(r.seconds_to(TARGET) for r in results), 1),
+            "steps to 0.7": " / ".join(_fmt(r.steps_to_target) for r in results),
+            "final reward per seed": " / ".join(f"{r.final_reward:.2f}" for r in results),
+            "final reward mean": round(statistics.fmean(r.final_reward for r in results), 3),
+            "staleness mean": round(statistics.fmean(r.staleness_mean for r in results), 2),
+            "train wall s": round(statistics.fmean(r.train_wall_s for r in results), 1),
+        }
+        rows.append(row)
+        figures[label] = {
+            "s_to_target": [_round(v) for v in reached],
+            "steps_to_target": [r.steps_to_target for r in results],
+            "final_reward": [round(r.final_reward, 3) for r in results],
+            "staleness_mean": row["staleness mean"],
+            "train_wall_s": row["train wall s"],
+        }
+    return BenchReport(
+        title=f"off-policy study: {steps} steps, seeds 0..{seeds - 1}",
+        rows=rows,
+        figures={"steps": steps, "seeds": seeds, "settings": figures},
+        notes=["'never': the 10-step running mean reward did not reach 0.7 within the run"],
+    )
+
+
+def _fmt(value: float | int | None) -> str:
+    if value is None:
+        return "never"
+    return f"{value:.1f}" if isinstance(value, float) else str(value)
