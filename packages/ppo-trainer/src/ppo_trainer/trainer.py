@@ -107,6 +107,9 @@ class PPOTrainer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppo-trainer")
         self._step = 0
         self._version = self.config.initial_version
+        # True while the weights equal those of `self._version` (at the start, right after a
+        # push, after a checkpoint load): only then is `ppo/behav_logprob_diff` meaningful.
+        self._weights_are_version = True
         self._consumed = _ConsumedIds()
         self._dropped_total = 0
         self._latest: dict[str, MetricValue] = {}
@@ -115,9 +118,6 @@ class PPOTrainer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = False
         self._in_step = False
-        # True while the weights equal those of `self._version` (at the start, right after a
-        # push, after a checkpoint load): only then is `ppo/behav_logprob_diff` meaningful.
-        self._weights_are_version = True
 
     # -- state ----------------------------------------------------------------------------
 
