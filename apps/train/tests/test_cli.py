@@ -42,6 +42,13 @@ def test_flags_reach_the_run(recorded: list[TrainConfig]) -> None:
     assert config.effective_staleness == 0 and not config.effective_partial_rollout
 
 
+def test_advantage_flag(recorded: list[TrainConfig]) -> None:
+    assert cli.main([]) == 0
+    assert cli.main(["--advantage", "gae", "--group-size", "1"]) == 0  # no group baseline
+    assert cli.main(["--advantage", "rloo"]) == 0
+    assert [c.advantage for c in recorded] == ["grpo", "gae", "rloo"]
+
+
 def test_toml_config_with_command_line_overrides(tmp_path: Path, recorded) -> None:
     path = tmp_path / "run.toml"
     path.write_text('steps = 11\nbatch_size = 3\ntask = "repeat"\nmax_staleness = 1\n')
@@ -66,6 +73,7 @@ def test_resume_reads_the_runs_config(tmp_path: Path, recorded) -> None:
         (["--steps", "0"], "--steps must be at least 1"),
         (["--task", "nope"], "--task nope"),
         (["--group-size", "1"], "--group-size"),
+        (["--advantage", "rloo", "--group-size", "1"], "--group-size must be at least 2 for rloo"),
         (["--model", "/nonexistent"], "config.json"),
     ],
 )

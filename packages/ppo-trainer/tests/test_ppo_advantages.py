@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from ppo_trainer import gae_advantages, grpo_advantages, rloo_advantages
+from ppo_trainer import gae_advantages, grpo_advantages, masked_whiten, rloo_advantages
 
 
 def test_grpo_mean_and_std() -> None:
@@ -78,6 +78,63 @@ def test_gae_gamma_lam_one_is_reward_to_go_minus_value() -> None:
     values = torch.tensor([[0.1, 0.2, 0.3]])
     adv, _ = gae_advantages(rewards, values, torch.ones(1, 3), gamma=1.0, lam=1.0)
     torch.testing.assert_close(adv, torch.tensor([[6.0 - 0.1, 5.0 - 0.2, 3.0 - 0.3]]))
+
+
+def test_gae_passes_through_a_mask_hole_inside_the_response() -> None:
+    """A masked token mid-response (a tool's output) does not end the episode: the recursion
+    skips it, carrying A and V of the next generated token; its reward and value are ignored."""
+    nan = float("nan")
+    rewards = torch.tensor([[0.0, 0.0, 9.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.6, nan, 0.8, 0.7]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0, 1.0]])
+    gamma, lam = 0.9, 0.8  # gamma * lam = 0.72
+    # valid tokens 0, 1, 3, 4 (position 2 deleted):
+    # t=4: delta = 1 - 0.7 = 0.3;                 A4 = 0.3
+    # t=3: delta = 0.9*0.7 - 0.8 = -0.17;         A3 = -0.17 + 0.72*0.3 = 0.046
+    # t=2: masked: A2 = 0, carries (A', V') = (0.046, 0.8); its reward 9 is ignored
+    # t=1: delta = 0.9*0.8 - 0.6 = 0.12;          A1 = 0.12 + 0.72*0.046 = 0.15312
+    # t=0: delta = 0.9*0.6 - 0.5 = 0.04;          A0 = 0.04 + 0.72*0.15312 = 0.1502464
+    adv, ret = gae_advantages(rewards, values, mask, gamma=gamma, lam=lam)
+    torch.testing.assert_close(adv, torch.tensor([[0.1502464, 0.15312, 0.0, 0.046, 0.3]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.6502464, 0.75312, 0.0, 0.846, 1.0]]))
+    # identical to GAE on the sequence with the masked token deleted
+    keep = [0, 1, 3, 4]
+    short_adv, short_ret = gae_advantages(
+        rewards[:, keep], values[:, keep], torch.ones(1, 4), gamma=gamma, lam=lam
+    )
+    torch.testing.assert_close(adv[:, keep], short_adv)
+    torch.testing.assert_close(ret[:, keep], short_ret)
+
+
+def test_gae_with_several_holes_and_rows_matches_the_compressed_sequences() -> None:
+    g = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(3, 9, generator=g), torch.randn(3, 9, generator=g)
+    mask = torch.tensor(
+        [[1, 0, 0, 1, 1, 0, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 0, 1, 0, 0, 0]],
+        dtype=torch.float32,
+    )
+    adv, ret = gae_advantages(rewards, values, mask, gamma=0.95, lam=0.9)
+    for row in range(3):
+        keep = mask[row].bool()
+        n = int(keep.sum())
+        a, r = gae_advantages(
+            rewards[row, keep][None], values[row, keep][None], torch.ones(1, n), gamma=0.95, lam=0.9
+        )
+        torch.testing.assert_close(adv[row, keep], a[0])
+        torch.testing.assert_close(ret[row, keep], r[0])
+        assert torch.all(adv[row, ~keep] == 0) and torch.all(ret[row, ~keep] == 0)
+
+
+def test_masked_whiten_by_hand() -> None:
+    nan = float("nan")
+    values = torch.tensor([[1.0, 2.0, nan], [3.0, 100.0, 6.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
+    # valid: [1, 2, 3, 6]; mean 3; deviations [-2, -1, 0, 3]; unbiased var = 14 / 3
+    std = math.sqrt(14 / 3 + 1e-8)
+    expected = torch.tensor([[-2 / std, -1 / std, 0.0], [0.0, 0.0, 3 / std]])
+    torch.testing.assert_close(masked_whiten(values, mask), expected)
+    # fewer than two valid values: nothing to scale by, all zero
+    assert torch.all(masked_whiten(torch.tensor([[5.0, 1.0]]), torch.tensor([[1.0, 0.0]])) == 0)
 
 
 def test_shape_errors() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -105,3 +106,35 @@ async def test_periodic_checkpoints_from_train(tmp_path: Path) -> None:
     assert (meta.step, meta.version) == (6, 6)
     assert meta.consumed_group_ids == tuple(f"g{i}" for i in range(6))
     assert meta.consumed_sample_ids == tuple(t.sample_id for g in GROUPS[:6] for t in g)
+
+
+async def test_gae_resume_restores_the_value_head(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(CONFIG, advantage="gae", value_lr=1e-2)
+    straight = PPOTrainer(tiny_qwen2(seed=0), cfg)
+    await straight.train(ListSource(GROUPS))
+
+    first = PPOTrainer(tiny_qwen2(seed=0), cfg)
+    await first.train(ListSource(GROUPS[:8]))
+    path = await first.save_checkpoint(tmp_path / "ckpt")
+    assert (path / "value_head.pt").exists()
+    assert torch.load(path / "model.pt").keys() == tiny_qwen2().state_dict().keys()
+
+    resumed = await PPOTrainer.resume(path, tiny_qwen2(seed=123), cfg)
+    done = set(resumed.consumed_sample_ids)
+    await resumed.train(ListSource([g for g in GROUPS if g[0].sample_id not in done]))
+    assert resumed.step == straight.step == 8
+    expected = dict(straight.model.named_parameters())
+    for name, param in resumed.model.named_parameters():
+        torch.testing.assert_close(param, expected[name], atol=1e-6, rtol=0)
+    straight_head = straight._updater.value_head
+    resumed_head = resumed._updater.value_head
+    assert straight_head is not None and resumed_head is not None
+    torch.testing.assert_close(resumed_head.weight, straight_head.weight, atol=1e-6, rtol=0)
+    assert float(straight_head.weight.detach().abs().sum()) > 0  # it did train
+
+    # a GRPO checkpoint cannot resume a GAE trainer (no head), nor the other way round
+    grpo_path = await PPOTrainer(tiny_qwen2(), CONFIG).save_checkpoint(tmp_path / "grpo")
+    with pytest.raises(ValueError, match=r"value_head\.pt"):
+        await PPOTrainer.resume(grpo_path, tiny_qwen2(), cfg)
+    with pytest.raises(ValueError, match="advantage='gae'"):
+        await PPOTrainer.resume(path, tiny_qwen2(), CONFIG)

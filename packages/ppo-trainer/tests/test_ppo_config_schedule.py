@@ -23,13 +23,34 @@ def test_config_is_frozen_and_validated() -> None:
         {"is_cap": 0.0},
         {"lr_schedule": "cosine"},  # needs total_steps
         {"loss_agg": "sum"},
-        {"advantage": "gae"},
+        {"advantage": "ppo"},
         {"kl_estimator": "k4"},
+        {"loss_agg": "seq-mean-token-sum-norm"},  # needs loss_agg_horizon
+        {"loss_agg_horizon": 0},
+        {"kl_clamp": True, "kl_estimator": "k1"},  # the clamp is for k3
+        {"gamma": 1.5},
+        {"lam": -0.1},
+        {"vf_coef": 0.0},
+        {"value_clip": 0.0},
+        {"value_lr": -1.0},
         {"checkpoint_every": 2},  # needs checkpoint_dir
         {"max_staleness": -1},
     ):
         with pytest.raises(ValueError):
             PPOConfig(**bad)  # type: ignore[arg-type]
+    # the new modes are accepted with what they need
+    PPOConfig(loss_agg="seq-mean-token-sum-norm", loss_agg_horizon=8)
+    PPOConfig(loss_agg="token-sum", kl_estimator="abs")
+    PPOConfig(kl_clamp=True, kl_estimator="k3", advantage="gae", value_clip=None)
+
+
+def test_bad_values_get_a_clear_message() -> None:
+    with pytest.raises(ValueError, match="needs loss_agg_horizon"):
+        PPOConfig(loss_agg="seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="k3 estimator only"):
+        PPOConfig(kl_clamp=True, kl_estimator="abs")
+    with pytest.raises(ValueError, match=r"advantage must be one of \('grpo', 'rloo', 'gae'\)"):
+        PPOConfig(advantage="ppo")  # type: ignore[arg-type]
 
 
 def test_every_field_is_documented() -> None:

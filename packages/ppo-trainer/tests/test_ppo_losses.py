@@ -10,10 +10,13 @@ from ppo_trainer import (
     aggregate_loss,
     entropy_from_logits,
     kl_penalty,
+    masked_mean,
     policy_loss,
     token_logprobs,
     value_loss,
 )
+
+NAN, INF = float("nan"), float("inf")
 
 
 def _log(values: list[float]) -> torch.Tensor:
@@ -38,6 +41,65 @@ def test_clipped_ppo_by_hand() -> None:
     assert m["approx_kl"].item() == pytest.approx(expected_kl, abs=1e-6)
     assert m["is_weight_mean"].item() == pytest.approx(1.0)
     assert m["ratio_mean"].item() == pytest.approx((1.5 + 0.5 + 1.0 + 1.1) / 4, abs=1e-6)
+    # k1 beside k3: ppo_kl = mean(-log r)
+    expected_k1 = -(math.log(1.5) + math.log(0.5) + 0.0 + math.log(1.1)) / 4
+    assert m["ppo_kl"].item() == pytest.approx(expected_k1, abs=1e-6)
+
+
+def test_log_ratio_is_clamped_before_exp() -> None:
+    """A log-ratio of 25 is treated as 20: exp stays finite, approx_kl is bounded by 10."""
+    logp = torch.tensor([[25.0, 25.0, 0.0]], requires_grad=True)
+    prox = torch.zeros(1, 3)
+    adv = torch.tensor([[1.0, -1.0, 1.0]])
+    loss, m = policy_loss(logp, prox, adv, torch.ones(1, 3), clip_eps=0.2)
+    # A=+1: max(-e^20, -1.2) = -1.2; A=-1: max(e^20, 0.8) = e^20; r=1: -1
+    assert loss.item() == pytest.approx((-1.2 + math.exp(20) - 1.0) / 3, rel=1e-5)
+    # per-token k3 = (e^20 - 1) - 20 ~ 4.9e8, clamped to 10; the r=1 token gives 0
+    assert m["approx_kl"].item() == pytest.approx((10 + 10 + 0) / 3)
+    assert m["ppo_kl"].item() == pytest.approx((-20 - 20 + 0) / 3)
+    loss.backward()
+    assert logp.grad is not None and torch.isfinite(logp.grad).all()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == 0  # outside the clamp: no gradient
+    # the importance weight's log is clamped too: exp(-(-100)) would be e^100 -> inf in fp32
+    _, m = policy_loss(
+        torch.zeros(1, 1),
+        torch.zeros(1, 1),
+        torch.ones(1, 1),
+        torch.ones(1, 1),
+        behav_logp=torch.tensor([[-100.0]]),
+    )
+    assert m["is_weight_mean"].item() == pytest.approx(math.exp(20), rel=1e-5)
+
+
+def test_nan_and_inf_at_padded_positions_cannot_poison_the_loss() -> None:
+    base = torch.tensor([[-1.0, -0.5, NAN], [-2.0, INF, -INF]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    logp = base.clone().requires_grad_(True)
+    prox = torch.tensor([[-1.0, -0.5, INF], [-2.0, NAN, 3.0]])
+    behav = torch.tensor([[-1.0, -0.5, -INF], [-2.0, NAN, NAN]])
+    adv = torch.tensor([[2.0, 1.0, NAN], [-1.0, INF, NAN]])
+    for mode in ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean"):
+        loss, m = policy_loss(logp, prox, adv, mask, behav_logp=behav, loss_agg=mode)  # type: ignore[arg-type]
+        assert torch.isfinite(loss), mode
+        assert all(torch.isfinite(v) for v in m.values()), (mode, m)
+    loss, m = policy_loss(logp, prox, adv, mask, behav_logp=behav)
+    # r = 1 and w = 1 on the 3 valid tokens: -mean(A) = -(2 + 1 - 1) / 3
+    assert loss.item() == pytest.approx(-2 / 3)
+    assert m["approx_kl"].item() == 0.0 and m["ppo_kl"].item() == 0.0
+    loss.backward()
+    assert logp.grad is not None
+    torch.testing.assert_close(logp.grad, torch.tensor([[-2 / 3, -1 / 3, 0.0], [1 / 3, 0, 0]]))
+    # the reductions themselves
+    garbage = torch.tensor([[1.0, 2.0, NAN], [4.0, INF, -INF]])
+    assert masked_mean(garbage, mask).item() == pytest.approx(7 / 3)
+    assert aggregate_loss(garbage, mask, "seq-mean-token-mean").item() == pytest.approx(2.75)
+    assert aggregate_loss(garbage, mask, "seq-mean-token-sum-norm", horizon=4).item() == (
+        pytest.approx(0.875)
+    )
+    vl, vm = value_loss(garbage, garbage, torch.zeros(2, 3), mask)
+    # unclipped values (V = V_old): 0.5 * V^2 over [1, 2, 4] -> (0.5 + 2 + 8) / 3
+    assert vl.item() == pytest.approx(10.5 / 3)
+    assert vm["value_mean"].item() == pytest.approx(7 / 3)
 
 
 def test_clip_higher_uses_its_own_upper_bound() -> None:
@@ -128,20 +190,44 @@ def test_aggregation_modes_by_hand() -> None:
     assert aggregate_loss(loss, mask, "token-mean").item() == pytest.approx(7 / 3)
     assert aggregate_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx(3.5)
     assert aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx(2.75)
+    # token-sum: 1 + 2 + 4, no normaliser
+    assert aggregate_loss(loss, mask, "token-sum").item() == pytest.approx(7.0)
+    # seq-mean-token-sum-norm, horizon H = 4: sequence sums [3, 4] / H, mean over 2 sequences
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm", horizon=4).item() == (
+        pytest.approx((3 / 4 + 4 / 4) / 2)
+    )
+    with pytest.raises(ValueError, match="horizon"):
+        aggregate_loss(loss, mask, "seq-mean-token-sum-norm")
     with pytest.raises(ValueError):
         aggregate_loss(loss, mask, "nope")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "token-mean",
+        "token-sum",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+        "seq-mean-token-mean",
+    ],
+)
 def test_micro_batches_with_global_normalisers_add_up(mode: str) -> None:
     loss = torch.rand(4, 5, generator=torch.Generator().manual_seed(0))
     mask = torch.tensor(
         [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.float32
     )
-    whole = aggregate_loss(loss, mask, mode)  # type: ignore[arg-type]
+    whole = aggregate_loss(loss, mask, mode, horizon=5)  # type: ignore[arg-type]
     n_tok, n_seq = float(mask.sum()), 4.0
     parts = sum(
-        aggregate_loss(loss[i : i + 2], mask[i : i + 2], mode, num_tokens=n_tok, num_seqs=n_seq)  # type: ignore[arg-type]
+        aggregate_loss(
+            loss[i : i + 2],
+            mask[i : i + 2, :],
+            mode,  # type: ignore[arg-type]
+            num_tokens=n_tok,
+            num_seqs=n_seq,
+            horizon=5,
+        )
         for i in (0, 2)
     )
     assert float(parts) == pytest.approx(float(whole), abs=1e-6)
@@ -155,8 +241,25 @@ def test_kl_estimators_by_hand() -> None:
     torch.testing.assert_close(
         kl_penalty(logp, ref, "k3"), torch.tensor([math.exp(-1) - 1 + 1, 0.0])
     )
+    torch.testing.assert_close(kl_penalty(logp, ref, "abs"), torch.tensor([1.0, 0.0]))
+    # abs of a negative difference: d = -2 -> 2
+    assert kl_penalty(torch.tensor([-3.0]), torch.tensor([-1.0]), "abs").item() == 2.0
     with pytest.raises(ValueError):
         kl_penalty(logp, ref, "k4")  # type: ignore[arg-type]
+
+
+def test_k3_clamp() -> None:
+    # d = logp - ref = [-25, 25, 1, -2]
+    logp = torch.tensor([-25.0, 25.0, 1.0, -2.0])
+    ref = torch.zeros(4)
+    # d = -25 -> -20: e^20 - 1 - 20 ~ 4.9e8 -> 10;  d = 25 -> 20: e^-20 - 1 + 20 ~ 19 -> 10
+    # inside the range nothing changes: d = 1: e^-1 - 1 + 1;  d = -2: e^2 - 1 - 2
+    expected = torch.tensor([10.0, 10.0, math.exp(-1), math.exp(2) - 3])
+    torch.testing.assert_close(kl_penalty(logp, ref, "k3", clamp=True), expected)
+    unclamped = kl_penalty(logp, ref, "k3")
+    assert unclamped[0].item() == pytest.approx(math.exp(25) - 26, rel=1e-5)
+    with pytest.raises(ValueError, match="k3"):
+        kl_penalty(logp, ref, "k1", clamp=True)
 
 
 def test_entropy_by_hand() -> None:
@@ -183,3 +286,20 @@ def test_clipped_value_loss_by_hand() -> None:
     #   0.5*max((1-2)^2, (0.7-2)^2) = 0.845; 0.5*max(0.36, 0.09) = 0.18; 0.5*max(.0025,.0025)
     assert loss.item() == pytest.approx((0.845 + 0.18 + 0.00125) / 3, abs=1e-6)
     assert m["vf_clipfrac"].item() == pytest.approx(1 / 3)
+    assert m["value_mean"].item() == pytest.approx((1.0 + 0.0 + 0.55) / 3)
+    # no clip: 0.5 * [(1-2)^2, (0-0.6)^2, (0.55-0.5)^2]
+    loss, m = value_loss(values, old, returns, torch.ones(1, 3), clip_eps=None)
+    assert loss.item() == pytest.approx((0.5 + 0.18 + 0.00125) / 3, abs=1e-6)
+    assert m["vf_clipfrac"].item() == 0.0
+
+
+def test_value_loss_gradient_by_hand() -> None:
+    # clip 0.2 around V_old = 0.5; R = 2: V = 0.6 is inside (grad = V - R = -1.4);
+    # V = 1.0 is outside, but the unclipped term (1 - 2)^2 = 1 < (0.7 - 2)^2 = 1.69, so the
+    # clipped term wins and has no gradient w.r.t. V
+    values = torch.tensor([[0.6, 1.0]], requires_grad=True)
+    old, returns = torch.full((1, 2), 0.5), torch.full((1, 2), 2.0)
+    loss, _ = value_loss(values, old, returns, torch.ones(1, 2), clip_eps=0.2)
+    loss.backward()
+    assert values.grad is not None
+    torch.testing.assert_close(values.grad, torch.tensor([[-1.4 / 2, 0.0]]))

@@ -14,7 +14,7 @@ from ppo_testkit import (
     make_group,
     tiny_qwen2,
 )
-from ppo_trainer import PPOConfig, PPOTrainer, Trajectory
+from ppo_trainer import PPOConfig, PPOTrainer, Trajectory, export_weights
 
 DESIGN_METRICS = {
     "ppo/loss",
@@ -73,6 +73,34 @@ async def test_trains_until_the_stream_ends_and_pushes_weights() -> None:
         pushed["model.embed_tokens.weight"].data_ptr()
         != trainer.model.model.embed_tokens.weight.data_ptr()
     )
+
+
+async def test_behav_logprob_diff_only_while_the_weights_are_the_version() -> None:
+    """sync_every = 2: the weights equal version v only on the step right after a push (or at
+    the start); only then, and only for samples of version v, is the metric logged."""
+    metrics = RecordingMetricsSink()
+    cfg = PPOConfig(lr=1e-2, batch_size=1, sync_every=2, max_staleness=10)
+    trainer = PPOTrainer(tiny_qwen2(), cfg, metrics_sink=metrics)
+    versions = [0, 0, 1, 1, 0]  # the last: staleness 2 at version 2, not on-policy
+    groups = [make_group(f"g{i}", n=2, version=v) for i, v in enumerate(versions)]
+    await trainer.train(ListSource(groups))
+    present = ["ppo/behav_logprob_diff" in m for _, m in metrics.records]
+    assert present == [True, False, True, False, False]
+    # make_group's behaviour log-prob is -3.0; a fresh model is near uniform over 32 tokens
+    assert metrics.records[0][1]["ppo/behav_logprob_diff"] == pytest.approx(
+        abs(-3.0 + 3.466), abs=0.2
+    )
+
+
+async def test_gae_trainer_pushes_only_the_policy_weights() -> None:
+    weights, metrics = RecordingWeightSink(), RecordingMetricsSink()
+    cfg = PPOConfig(lr=1e-3, batch_size=2, advantage="gae", max_staleness=10)
+    trainer = PPOTrainer(tiny_qwen2(), cfg, metrics_sink=metrics, weight_sink=weights)
+    await trainer.train(ListSource(_groups(4)))
+    assert weights.versions == [1, 2]
+    assert set(weights.pushes[-1][1]) == set(export_weights(tiny_qwen2()))
+    for _, m in metrics.records:
+        assert {"ppo/value_loss", "ppo/vf_clipfrac", "ppo/value_mean", "ppo/ppo_kl"} <= m.keys()
 
 
 async def test_stale_groups_are_dropped_and_staleness_is_recorded() -> None:

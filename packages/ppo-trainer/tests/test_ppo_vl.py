@@ -116,3 +116,16 @@ async def test_qwen2_vl_trains_on_image_trajectories() -> None:
     _, m = metrics.records[0]
     assert m["ppo/is_weight_mean"] > 0
     assert torch.isfinite(torch.tensor(m["ppo/loss"]))
+
+
+async def test_qwen2_vl_with_a_value_head() -> None:
+    """GAE on Qwen2-VL: the head reads the language model's last hidden state."""
+    model = tiny_qwen2_vl()
+    keys = set(model.state_dict())
+    metrics = RecordingMetricsSink()
+    cfg = PPOConfig(lr=1e-2, batch_size=2, num_minibatches=2, advantage="gae")
+    trainer = PPOTrainer(model, cfg, mm_inputs_fn=FabricatedPixels(), metrics_sink=metrics)
+    await trainer.train(ListSource([_vl_group(0), _vl_group(1)]))
+    _, m = metrics.records[0]
+    assert torch.isfinite(torch.tensor([m["ppo/loss"], m["ppo/value_loss"]])).all()
+    assert set(trainer._updater.export_weights()) <= keys

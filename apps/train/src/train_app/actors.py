@@ -235,6 +235,7 @@ class TrainerSpec:
     temperature: float
     seed: int
     checkpoint_every: int
+    advantage: str = "grpo"
     resume_from: str | None = None
     cpu: int | None = None
     vision: bool = False
@@ -290,6 +291,7 @@ class TrainerActor:
             min_lr_ratio=0.1,
             batch_size=spec.batch_size,
             ppo_epochs=spec.ppo_epochs,
+            advantage=spec.advantage,  # type: ignore[arg-type]
             clip_eps=spec.clip_eps,
             is_cap=spec.is_cap,
             temperature=spec.temperature,

@@ -89,6 +89,11 @@ class TrainConfig:
     ppo_epochs: int = 2
     """Optimisation passes over each batch."""
 
+    advantage: Literal["grpo", "rloo", "gae"] = "grpo"
+    """Advantage estimator: `grpo` (group mean and std), `rloo` (leave-one-out group mean) or
+    `gae` (a value head on the policy trunk, trained with a clipped value loss; GAE over the
+    response tokens; see packages/ppo-trainer/README.md)."""
+
     clip_eps: float = 0.2
     """PPO ratio clip."""
 
@@ -131,8 +136,13 @@ class TrainConfig:
 
         if self.task not in all_tasks():
             raise ValueError(f"--task {self.task}: choose from {sorted(all_tasks())}")
-        if self.group_size < 2:
-            raise ValueError("--group-size must be at least 2 for GRPO advantages")
+        if self.advantage not in ("grpo", "rloo", "gae"):
+            raise ValueError(f"--advantage {self.advantage}: choose from grpo, rloo, gae")
+        if self.group_size < 2 and self.advantage != "gae":
+            raise ValueError(
+                f"--group-size must be at least 2 for {self.advantage} advantages "
+                "(a group baseline); --advantage gae works with 1"
+            )
         if self.model is not None and not (Path(self.model) / "config.json").exists():
             raise ValueError(f"--model {self.model}: no config.json there (a local HF checkpoint)")
 

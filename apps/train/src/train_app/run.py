@@ -212,6 +212,7 @@ class _Session:
                 temperature=c.temperature,
                 seed=c.seed,
                 checkpoint_every=c.checkpoint_every,
+                advantage=c.advantage,
                 resume_from=resume_ckpt,
                 cpu=1 if pin else None,
                 vision=is_vision_task(c.task),

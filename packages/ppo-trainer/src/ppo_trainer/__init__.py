@@ -22,7 +22,12 @@ from ppo_trainer.protocols import (
 from ppo_trainer.types import TRAJECTORY_SCHEMA_VERSION, MultiModalRef, Timings, Trajectory
 
 if TYPE_CHECKING:
-    from ppo_trainer.advantages import gae_advantages, grpo_advantages, rloo_advantages
+    from ppo_trainer.advantages import (
+        gae_advantages,
+        grpo_advantages,
+        masked_whiten,
+        rloo_advantages,
+    )
     from ppo_trainer.batch import PackedBatch, pack_batch
     from ppo_trainer.losses import (
         aggregate_loss,
@@ -67,6 +72,7 @@ __all__ = [
     "kl_penalty",
     "lr_multiplier",
     "masked_mean",
+    "masked_whiten",
     "pack_batch",
     "policy_loss",
     "read_checkpoint_meta",
@@ -80,6 +86,7 @@ _LAZY = {
     "gae_advantages": "advantages",
     "grpo_advantages": "advantages",
     "rloo_advantages": "advantages",
+    "masked_whiten": "advantages",
     "PackedBatch": "batch",
     "pack_batch": "batch",
     "aggregate_loss": "losses",

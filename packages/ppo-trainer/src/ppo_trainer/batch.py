@@ -25,18 +25,23 @@ class PackedBatch:
     """A padded batch of B sequences of (at most) L tokens.
 
     Per-token tensors have shape [B, L - 1] (aligned to the predicted token), per-sequence
-    ones [B]. `prox_logp` / `ref_logp` are filled by the updater before the updates.
+    ones [B]. `prox_logp` / `ref_logp` (and, for GAE, token-level `advantages`, `returns`
+    and `old_values`) are filled by the updater before the updates.
     """
 
     input_ids: torch.Tensor  # [B, L] int64
     attention_mask: torch.Tensor  # [B, L] int64
     response_mask: torch.Tensor  # [B, L-1] float32, 1 where the target is a response token
     behav_logp: torch.Tensor  # [B, L-1] float32, engine log-probs (0 off the response)
-    advantages: torch.Tensor  # [B] float32, one per sequence
+    advantages: torch.Tensor  # [B] float32 (one per sequence) or [B, L-1] (per token, GAE)
     seq_lens: torch.Tensor  # [B] int64, prompt + response length
     mm_inputs: tuple[Mapping[str, torch.Tensor] | None, ...] | None = None
     prox_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None  # [B] float32, the trajectory's scalar reward
+    on_policy: torch.Tensor | None = None  # [B] bool, see `pack_batch(current_version=)`
+    returns: torch.Tensor | None = None  # [B, L-1] float32, GAE value targets
+    old_values: torch.Tensor | None = None  # [B, L-1] float32, values before the updates
 
     @property
     def size(self) -> int:
@@ -59,6 +64,9 @@ class PackedBatch:
         def pick(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
             return None if t is None else t[rows, :width]
 
+        def pick_rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows]
+
         mm = None
         if self.mm_inputs is not None:
             mm = tuple(self.mm_inputs[i] for i in rows.tolist())
@@ -67,17 +75,43 @@ class PackedBatch:
             attention_mask=self.attention_mask[rows, :length],
             response_mask=self.response_mask[rows, : length - 1],
             behav_logp=self.behav_logp[rows, : length - 1],
-            advantages=self.advantages[rows],
+            advantages=(
+                self.advantages[rows]
+                if self.advantages.dim() == 1
+                else self.advantages[rows, : length - 1]
+            ),
             seq_lens=self.seq_lens[rows],
             mm_inputs=mm,
             prox_logp=pick(self.prox_logp, length - 1),
             ref_logp=pick(self.ref_logp, length - 1),
+            rewards=pick_rows(self.rewards),
+            on_policy=pick_rows(self.on_policy),
+            returns=pick(self.returns, length - 1),
+            old_values=pick(self.old_values, length - 1),
         )
 
     def with_logprobs(
         self, *, prox_logp: torch.Tensor | None, ref_logp: torch.Tensor | None
     ) -> PackedBatch:
         return replace(self, prox_logp=prox_logp, ref_logp=ref_logp)
+
+    def token_advantages(self) -> torch.Tensor:
+        """Advantages as [B, L-1]: per-sequence ones broadcast over the positions."""
+        if self.advantages.dim() == 2:
+            return self.advantages
+        return self.advantages.unsqueeze(-1).expand_as(self.response_mask)
+
+    def token_rewards(self) -> torch.Tensor:
+        """[B, L-1]: each sequence's scalar reward on its last response token, 0 elsewhere
+        (the token-level reward that GAE consumes)."""
+        if self.rewards is None:
+            raise ValueError("this batch carries no rewards (pack it with pack_batch)")
+        out = torch.zeros_like(self.response_mask)
+        positions = torch.arange(out.shape[1]).expand_as(out)
+        last = torch.where(self.response_mask.bool(), positions, -1).max(dim=1).values
+        rows = torch.nonzero(last >= 0).squeeze(-1)
+        out[rows, last[rows]] = self.rewards[rows].to(out.dtype)
+        return out
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """input_ids, attention_mask and the concatenated multimodal tensors of these rows."""
@@ -91,15 +125,23 @@ class PackedBatch:
 
 def pack_batch(
     trajectories: Sequence[Trajectory],
-    advantages: Sequence[float],
+    advantages: Sequence[float] | None = None,
     *,
     pad_token_id: int = 0,
     mm_inputs_fn: MultiModalInputsFn | None = None,
+    current_version: int | None = None,
 ) -> PackedBatch:
     """Pad `trajectories` (with one advantage each) into a `PackedBatch` on the CPU.
 
+    `advantages` None: zeros (for GAE, whose token advantages the updater computes).
+    `current_version`: the policy version of the trainer's *current* weights, if they are
+    exactly the weights of that version (None: they are not, or unknown). A row is
+    `on_policy` when all its response tokens carry that version: the trainer's log-probs of
+    it must then equal the engine's (metric `ppo/behav_logprob_diff`).
     `mm_inputs_fn` is called once per distinct `MultiModalRef` (a GRPO group shares one).
     """
+    if advantages is None:
+        advantages = [0.0] * len(trajectories)
     if len(trajectories) != len(advantages):
         raise ValueError("need exactly one advantage per trajectory")
     if not trajectories:
@@ -138,6 +180,16 @@ def pack_batch(
         advantages=torch.tensor(list(advantages), dtype=torch.float32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.long),
         mm_inputs=mm,
+        rewards=torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float32),
+        on_policy=torch.tensor(
+            [
+                current_version is not None
+                and bool(t.token_versions)
+                and all(v == current_version for v in t.token_versions)
+                for t in trajectories
+            ],
+            dtype=torch.bool,
+        ),
     )
 
 

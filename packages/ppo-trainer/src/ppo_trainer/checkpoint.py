@@ -2,7 +2,8 @@
 
 Layout of a checkpoint directory:
 
-    model.pt          model.state_dict()
+    model.pt          model.state_dict() (the policy only: the HF model's own state dict)
+    value_head.pt     the GAE value head's state_dict (only with advantage="gae")
     optimizer.pt      optimizer.state_dict()
     scheduler.pt      LR scheduler state_dict()
     rng.pt            torch (CPU + CUDA), numpy, python and the shuffling generator states
@@ -39,6 +40,8 @@ __all__ = ["load_checkpoint", "save_checkpoint", "update_latest"]
 
 logger = logging.getLogger(__name__)
 
+VALUE_HEAD_FILE = "value_head.pt"
+
 
 def save_checkpoint(path: str | Path, updater: PolicyUpdater, state: TrainerState) -> Path:
     """Write a checkpoint of `updater` and `state` to directory `path` (replaced if present)."""
@@ -48,6 +51,8 @@ def save_checkpoint(path: str | Path, updater: PolicyUpdater, state: TrainerStat
     tmp.mkdir()
     try:
         torch.save(updater.model.state_dict(), tmp / "model.pt")
+        if updater.value_head is not None:
+            torch.save(updater.value_head.state_dict(), tmp / VALUE_HEAD_FILE)
         torch.save(updater.optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(updater.scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(_rng_state(updater), tmp / "rng.pt")
@@ -68,7 +73,21 @@ def load_checkpoint(path: str | Path, updater: PolicyUpdater) -> TrainerState:
     root = Path(path)
     state = read_checkpoint_meta(root)
     device = updater.device
+    has_head = (root / VALUE_HEAD_FILE).exists()
+    if updater.value_head is not None and not has_head:
+        raise ValueError(
+            f"{root}: no {VALUE_HEAD_FILE}: the checkpoint was not written with "
+            "advantage='gae', so it cannot resume a GAE trainer (its value head is missing)"
+        )
+    if updater.value_head is None and has_head:
+        raise ValueError(
+            f"{root}: has a {VALUE_HEAD_FILE} (written with advantage='gae'); resume it with "
+            f"advantage='gae', not {updater.config.advantage!r}"
+        )
     updater.model.load_state_dict(torch.load(root / "model.pt", map_location=device))
+    if updater.value_head is not None:
+        head = torch.load(root / VALUE_HEAD_FILE, map_location=device)
+        updater.value_head.load_state_dict(head)
     updater.optimizer.load_state_dict(torch.load(root / "optimizer.pt", map_location=device))
     updater.scheduler.load_state_dict(torch.load(root / "scheduler.pt"))
     _restore_rng(torch.load(root / "rng.pt"), updater)

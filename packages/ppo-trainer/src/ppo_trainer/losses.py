@@ -2,6 +2,10 @@
 
 Conventions: per-token tensors have shape `[B, T]` (B sequences, T response positions) and
 `mask` is 1 on tokens that count, 0 on padding. Log-probs are of the sampled tokens.
+
+Masked positions are *selected away* (`torch.where`), never multiplied by 0: a NaN or inf at
+a padded position (garbage log-probs of pad tokens, an advantage of an empty row) cannot reach
+a loss, a metric or a gradient.
 """
 
 from __future__ import annotations
@@ -11,20 +15,36 @@ import torch
 from ppo_trainer.config import KLEstimator, LossAgg
 
 __all__ = [
+    "KL_CLAMP",
+    "KL_LOG_RATIO_CLAMP",
+    "LOG_RATIO_CLAMP",
     "aggregate_loss",
     "entropy_from_logits",
     "kl_penalty",
     "masked_mean",
+    "masked_sum",
     "policy_loss",
     "token_logprobs",
     "value_loss",
 ]
 
+LOG_RATIO_CLAMP = 20.0
+"""`policy_loss` clamps every log-ratio to [-20, 20] before `exp` (as verl does)."""
+KL_LOG_RATIO_CLAMP = 20.0
+"""`kl_penalty(clamp=True)` clamps the k3 log-ratio to [-20, 20] before `exp`."""
+KL_CLAMP = 10.0
+"""`kl_penalty(clamp=True)` clamps k3 to [-10, 10]; so does the `approx_kl` metric."""
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sum of `values` where `mask` is non-zero (others selected away, even NaN/inf)."""
+    return torch.where(mask.bool(), values, torch.zeros_like(values)).sum()
+
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """sum(values * mask) / max(sum(mask), 1)."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+    """sum(values where mask) / max(sum(mask), 1); NaN/inf at masked positions are ignored."""
+    count = mask.bool().sum().to(values.dtype if values.is_floating_point() else torch.float32)
+    return masked_sum(values, mask) / count.clamp(min=1.0)
 
 
 def aggregate_loss(
@@ -34,28 +54,39 @@ def aggregate_loss(
     *,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    horizon: float | None = None,
 ) -> torch.Tensor:
     """Reduce per-token losses `l[b, t]` (valid where `m[b, t] = 1`) to a scalar.
 
-    - token-mean:           sum_{b,t} l*m / N_tok           (every token weighs the same)
-    - seq-mean-token-sum:   sum_b (sum_t l*m) / N_seq       (longer sequences weigh more)
-    - seq-mean-token-mean:  sum_b (sum_t l*m / sum_t m) / N_seq   (every sequence the same)
+    - token-mean:              sum_{b,t} l*m / N_tok        (every token weighs the same)
+    - token-sum:               sum_{b,t} l*m                (no normalisation at all)
+    - seq-mean-token-sum:      sum_b (sum_t l*m) / N_seq    (longer sequences weigh more)
+    - seq-mean-token-sum-norm: sum_b (sum_t l*m / H) / N_seq  (verl's / Dr. GRPO's: a constant
+      horizon H = `horizon`, e.g. the max response length, replaces each sequence's length, so
+      no length bias and no per-batch normaliser)
+    - seq-mean-token-mean:     sum_b (sum_t l*m / sum_t m) / N_seq   (every sequence the same)
 
     N_tok = sum(m) and N_seq = B unless `num_tokens` / `num_seqs` are given: with gradient
     accumulation pass the whole minibatch's counts so the micro-batch losses add up to exactly
-    the minibatch loss.
+    the minibatch loss. Masked positions are selected away (NaN/inf there do not matter).
     """
-    mask = mask.to(token_loss.dtype)
-    masked = token_loss * mask
+    valid = mask.bool()
+    masked = torch.where(valid, token_loss, torch.zeros_like(token_loss))
     if mode == "token-mean":
         if num_tokens is None:
-            return masked.sum() / mask.sum().clamp(min=1.0)
+            return masked.sum() / valid.sum().clamp(min=1).to(masked.dtype)
         return masked.sum() / max(float(num_tokens), 1.0)
+    if mode == "token-sum":
+        return masked.sum()
     seqs = float(token_loss.shape[0]) if num_seqs is None else float(num_seqs)
     if mode == "seq-mean-token-sum":
         return masked.sum() / max(seqs, 1.0)
+    if mode == "seq-mean-token-sum-norm":
+        if horizon is None or horizon <= 0:
+            raise ValueError("seq-mean-token-sum-norm needs a constant horizon > 0")
+        return masked.sum() / float(horizon) / max(seqs, 1.0)
     if mode == "seq-mean-token-mean":
-        per_seq = masked.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
+        per_seq = masked.sum(dim=-1) / valid.sum(dim=-1).clamp(min=1).to(masked.dtype)
         return per_seq.sum() / max(seqs, 1.0)
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
@@ -82,22 +113,37 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def kl_penalty(
-    logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "k3"
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    estimator: KLEstimator = "k3",
+    *,
+    clamp: bool = False,
 ) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi.
 
     With d = logp - ref_logp:
 
-    - k1 = d                         (unbiased, can be negative)
-    - k2 = d^2 / 2                   (biased, low variance, >= 0)
-    - k3 = exp(-d) - 1 + d           (unbiased, >= 0; Schulman's estimator)
+    - k1  = d                         (unbiased, can be negative)
+    - k2  = d^2 / 2                   (biased, low variance, >= 0)
+    - k3  = exp(-d) - 1 + d           (unbiased, >= 0; Schulman's estimator)
+    - abs = |d|                       (biased, >= 0)
+
+    `clamp` (k3 only): d is clamped to [-20, 20] before `exp` and k3 to [-10, 10], as verl's
+    "low_var_kl" does; a token with d = -25 then costs 10 instead of ~7e10.
     """
     diff = logp - ref_logp
+    if clamp and estimator != "k3":
+        raise ValueError(f"clamp applies to the k3 estimator only, not {estimator!r}")
     if estimator == "k1":
         return diff
     if estimator == "k2":
         return 0.5 * diff.square()
+    if estimator == "abs":
+        return diff.abs()
     if estimator == "k3":
+        if clamp:
+            diff = diff.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+            return (torch.expm1(-diff) + diff).clamp(-KL_CLAMP, KL_CLAMP)
         return torch.expm1(-diff) + diff
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
@@ -116,27 +162,36 @@ def policy_loss(
     loss_agg: LossAgg = "token-mean",
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    horizon: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped (decoupled) PPO policy loss; returns (scalar loss, detached metrics).
 
-    Per token, with r = exp(logp - prox_logp) and e_lo = clip_eps, e_hi = clip_eps_high:
+    Per token, with log r = clamp(logp - prox_logp, -20, 20), r = exp(log r), e_lo =
+    clip_eps and e_hi = clip_eps_high:
 
         l = max(-A * r, -A * clip(r, 1 - e_lo, 1 + e_hi))    (= -min(r*A, clip(r)*A))
         l = min(l, -c * A)          where A < 0, if dual_clip = c (bounds huge ratios)
-        l = l * w,   w = min(exp(prox_logp - behav_logp), is_cap)   (detached)
+        l = l * w,   w = min(exp(clamp(prox_logp - behav_logp, -20, 20)), is_cap)  (detached)
 
     `prox_logp` is the proximal policy (the trainer's current weights before this step's
     updates, recomputed without gradient); `behav_logp` is the engine's (behaviour) policy.
-    Without `behav_logp` w = 1 (plain PPO with `prox_logp` as the old policy).
+    Without `behav_logp` w = 1 (plain PPO with `prox_logp` as the old policy). The clamps
+    keep `exp` finite (a log-ratio of 25 is treated as 20); masked positions are selected
+    away before anything is computed on them, so NaN/inf there reach neither the loss nor
+    the gradient.
 
     Metrics (masked means over tokens): `clipfrac` (the clipped branch is active,
-    i.e. -A*clip(r) > -A*r), `dual_clipfrac`, `approx_kl` = mean((r - 1) - log r)
-    (the k3 estimate of KL(prox || current)), `is_weight_mean`, `is_weight_max`,
-    `is_capped_frac`, `ratio_mean`.
+    i.e. -A*clip(r) > -A*r), `dual_clipfrac`, `approx_kl` = mean(clamp((r - 1) - log r,
+    max=10)) (the k3 estimate of KL(prox || current), clamped per token like `kl_clamp`),
+    `ppo_kl` = mean(-log r) (the k1 estimate, verl's `ppo_kl`), `is_weight_mean`,
+    `is_weight_max`, `is_capped_frac`, `ratio_mean`.
     """
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    advantages = advantages.to(logp.dtype)
-    log_ratio = logp - prox_logp.detach()
+    valid = mask.bool()
+    zeros = torch.zeros_like(logp)
+    advantages = torch.where(valid, advantages.to(logp.dtype), zeros)
+    log_ratio = torch.where(valid, logp - prox_logp.detach(), zeros)
+    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)
@@ -152,7 +207,8 @@ def policy_loss(
     if behav_logp is None:
         weight = torch.ones_like(logp)
     else:
-        weight = torch.exp(prox_logp.detach() - behav_logp.detach())
+        log_w = torch.where(valid, prox_logp.detach() - behav_logp.detach(), zeros)
+        weight = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     capped = torch.zeros_like(is_clipped)
     if is_cap is not None:
         capped = weight > is_cap
@@ -160,13 +216,17 @@ def policy_loss(
     weight = weight.detach()
     token_loss = token_loss * weight
 
-    loss = aggregate_loss(token_loss, mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
+    loss = aggregate_loss(
+        token_loss, mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon
+    )
     with torch.no_grad():
-        valid = mask.to(torch.bool)
+        log_ratio = log_ratio.detach()
+        k3 = (torch.expm1(log_ratio) - log_ratio).clamp(max=KL_CLAMP)
         metrics = {
             "clipfrac": masked_mean(is_clipped.float(), mask),
             "dual_clipfrac": masked_mean(dual_active.float(), mask),
-            "approx_kl": masked_mean(ratio.detach() - 1.0 - log_ratio.detach(), mask),
+            "approx_kl": masked_mean(k3, mask),
+            "ppo_kl": masked_mean(-log_ratio, mask),
             "is_weight_mean": masked_mean(weight, mask),
             "is_weight_max": weight[valid].max() if valid.any() else weight.new_tensor(0.0),
             "is_capped_frac": masked_mean(capped.float(), mask),
@@ -181,25 +241,41 @@ def value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     *,
-    clip_eps: float = 0.2,
+    clip_eps: float | None = 0.2,
     loss_agg: LossAgg = "token-mean",
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    horizon: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss; returns (scalar loss, detached metrics).
 
         V_clip = V_old + clip(V - V_old, -clip_eps, clip_eps)
-        l      = 0.5 * max((V - R)^2, (V_clip - R)^2)
+        l      = 0.5 * max((V - R)^2, (V_clip - R)^2)      (clip_eps None: 0.5 * (V - R)^2)
 
-    Metric `vf_clipfrac`: fraction of tokens where the clipped term is the larger one.
+    `old_values` are the value head's outputs before this step's updates and `returns` the
+    GAE targets R = A + V_old (both detached). Metrics: `vf_clipfrac`, the fraction of tokens
+    where the clipped term is the larger one, and `value_mean`, the mean of V.
     """
-    old_values = old_values.detach()
-    returns = returns.detach()
-    clipped_values = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
-    unclipped_sq = (values - returns).square()
-    clipped_sq = (clipped_values - returns).square()
-    token_loss = 0.5 * torch.maximum(unclipped_sq, clipped_sq)
-    loss = aggregate_loss(token_loss, mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
+    valid = mask.bool()
+    zeros = torch.zeros_like(values)
+    old_values = torch.where(valid, old_values.detach().to(values.dtype), zeros)
+    returns = torch.where(valid, returns.detach().to(values.dtype), zeros)
+    values_in = torch.where(valid, values, zeros)
+    unclipped_sq = (values_in - returns).square()
+    if clip_eps is None:
+        token_loss = 0.5 * unclipped_sq
+        is_clipped = torch.zeros_like(valid)
+    else:
+        clipped_values = old_values + torch.clamp(values_in - old_values, -clip_eps, clip_eps)
+        clipped_sq = (clipped_values - returns).square()
+        token_loss = 0.5 * torch.maximum(unclipped_sq, clipped_sq)
+        is_clipped = clipped_sq > unclipped_sq
+    loss = aggregate_loss(
+        token_loss, mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon
+    )
     with torch.no_grad():
-        metrics = {"vf_clipfrac": masked_mean((clipped_sq > unclipped_sq).float(), mask)}
+        metrics = {
+            "vf_clipfrac": masked_mean(is_clipped.float(), mask),
+            "value_mean": masked_mean(values.detach(), mask),
+        }
     return loss, metrics

@@ -107,6 +107,9 @@ class PPOTrainer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppo-trainer")
         self._step = 0
         self._version = self.config.initial_version
+        # True while the weights equal those of `self._version` (at the start, right after a
+        # push, after a checkpoint load): only then is `ppo/behav_logprob_diff` meaningful.
+        self._weights_are_version = True
         self._consumed = _ConsumedIds()
         self._dropped_total = 0
         self._latest: dict[str, MetricValue] = {}
@@ -351,6 +354,7 @@ class PPOTrainer:
             self._in_step = False
         self._step += 1
         self._consumed.add_groups(collected.groups)
+        self._weights_are_version = sync_due
         metrics: dict[str, MetricValue] = dict(result.metrics)
         if sync_due:
             self._version += 1
@@ -395,12 +399,15 @@ class PPOTrainer:
     def _step_in_worker(self, groups: list[list[Trajectory]], export: bool) -> _StepResult:
         started = time.perf_counter()
         trajectories = [t for group in groups for t in group]
-        advantages = [a for group in groups for a in self._advantages(group)]
+        advantages = None  # GAE: the updater computes token advantages from its values
+        if self.config.advantage != "gae":
+            advantages = [a for group in groups for a in self._advantages(group)]
         batch = pack_batch(
             trajectories,
             advantages,
             pad_token_id=self._pad_token_id,
             mm_inputs_fn=self._mm_inputs_fn,
+            current_version=self._version if self._weights_are_version else None,
         )
         metrics = self._updater.step(batch)
         step_s = time.perf_counter() - started
@@ -450,6 +457,7 @@ class PPOTrainer:
         state = await self._in_worker(load_checkpoint, path, self._updater)
         self._step = state.step
         self._version = state.version
+        self._weights_are_version = True  # the sink is assumed to get these weights as `version`
         self._consumed = _ConsumedIds(state.consumed_sample_ids, state.consumed_group_ids)
         logger.info("loaded checkpoint %s (step %d, version %d)", path, self._step, self._version)
 

@@ -10,17 +10,22 @@ import inspect
 import logging
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
+from ppo_trainer.advantages import gae_advantages, masked_whiten
 from ppo_trainer.batch import PackedBatch
 from ppo_trainer.config import PPOConfig
 from ppo_trainer.losses import (
     aggregate_loss,
     entropy_from_logits,
     kl_penalty,
+    masked_mean,
+    masked_sum,
     policy_loss,
     token_logprobs,
+    value_loss,
 )
 from ppo_trainer.schedule import make_scheduler
 
@@ -33,11 +38,14 @@ _TOKEN_METRICS = (
     "clipfrac",
     "dual_clipfrac",
     "approx_kl",
+    "ppo_kl",
     "is_weight_mean",
     "is_capped_frac",
     "ratio_mean",
     "entropy",
     "kl_ref",
+    "vf_clipfrac",
+    "value_mean",
 )
 
 
@@ -46,6 +54,10 @@ class PolicyUpdater:
 
     Works with any causal LM whose `forward(input_ids=, attention_mask=, **mm)` returns an
     object with `.logits` of shape [B, L, V] (transformers `AutoModelForCausalLM`, Qwen2-VL).
+
+    With `config.advantage == "gae"` it also owns `value_head`, a `Linear(hidden, 1)` on the
+    policy's last hidden state (after the final norm), zero-initialised, trained in its own
+    AdamW param group. It is not part of `model`: `export_weights` sends the policy only.
     """
 
     def __init__(
@@ -59,15 +71,27 @@ class PolicyUpdater:
         self.model = model
         self.config = config
         self.ref_model = ref_model
+        self.device = next(model.parameters()).device
         params = [p for p in model.parameters() if p.requires_grad]
+        self.value_head: torch.nn.Linear | None = None
+        groups: list[dict] = [{"params": params}]
+        if config.advantage == "gae":
+            self.value_head = _make_value_head(model, self.device)
+            head_lr = config.value_lr if config.value_lr is not None else config.lr
+            groups.append({"params": list(self.value_head.parameters()), "lr": head_lr})
+            params = params + list(self.value_head.parameters())
         self.params = params
-        self.optimizer = optimizer or torch.optim.AdamW(
-            params,
-            lr=config.lr,
-            betas=config.adam_betas,
-            eps=config.adam_eps,
-            weight_decay=config.weight_decay,
-        )
+        if optimizer is None:
+            optimizer = torch.optim.AdamW(
+                groups,
+                lr=config.lr,
+                betas=config.adam_betas,
+                eps=config.adam_eps,
+                weight_decay=config.weight_decay,
+            )
+        elif len(groups) > 1:
+            optimizer.add_param_group(groups[1])
+        self.optimizer = optimizer
         self.scheduler = make_scheduler(
             self.optimizer,
             schedule=config.lr_schedule,
@@ -76,7 +100,6 @@ class PolicyUpdater:
             min_ratio=config.min_lr_ratio,
         )
         self.generator = torch.Generator().manual_seed(config.seed)
-        self.device = next(model.parameters()).device
         if ref_model is not None:
             ref_model.requires_grad_(False)
         self._wants_token_types = _accepts(model, "mm_token_type_ids")
@@ -87,33 +110,50 @@ class PolicyUpdater:
         """One trainer step on `batch`: `ppo_epochs` x `num_minibatches` optimizer steps."""
         cfg = self.config
         self.model.train()
+        gae = self.value_head is not None
         # With a single update per batch the current weights *are* the proximal policy, so
-        # the extra no-grad forward is skipped and logp.detach() is used instead.
+        # the extra no-grad forward is skipped and logp.detach() is used instead. GAE needs
+        # the values before any update, so it always makes that pass (logits come free).
         recompute_prox = cfg.updates_per_step > 1
         use_ref = self.ref_model is not None and cfg.kl_coef != 0.0
-        prox = self._logprobs(self.model, batch) if recompute_prox else None
+        out: dict[str, float] = {}
+        prox = None
+        if recompute_prox or gae:
+            first_logp, values = self._pre_pass(batch)
+            prox = first_logp if recompute_prox else None
+            out.update(_behav_diff(*_behav_diff_sums(first_logp, batch)))
         ref = self._logprobs(self.ref_model, batch) if use_ref and self.ref_model else None
         batch = batch.with_logprobs(prox_logp=prox, ref_logp=ref)
+        if gae:
+            assert values is not None
+            batch = self._with_gae(batch, values)
 
         sums: dict[str, float] = defaultdict(float)
         token_total = 0.0
         losses: list[float] = []
+        vf_losses: list[float] = []
         grad_norms: list[float] = []
         is_weight_max = 0.0
+        diff_sum, diff_count = 0.0, 0.0
         lr = self.optimizer.param_groups[0]["lr"]
-        for _ in range(cfg.ppo_epochs):
+        for epoch in range(cfg.ppo_epochs):
             order = torch.randperm(batch.size, generator=self.generator)
             for rows in _chunks(order, cfg.num_minibatches):
                 minibatch = batch.select(rows)
                 n_tok = float(minibatch.response_mask.sum().item())
                 n_seq = float(minibatch.size)
-                mb_loss = 0.0
+                mb_loss = mb_vf_loss = 0.0
                 for micro_rows in _chunks(torch.arange(minibatch.size), cfg.grad_accum):
                     micro = minibatch.select(micro_rows)
-                    loss, metrics, tokens = self._micro_loss(micro, n_tok, n_seq)
+                    loss, metrics, tokens, logp = self._micro_loss(micro, n_tok, n_seq)
                     loss.backward()
                     mb_loss += float(loss.item())
+                    mb_vf_loss += metrics.pop("value_loss", 0.0)
                     token_total += tokens
+                    if not recompute_prox and not gae and epoch == 0:
+                        # single update: these forwards all precede the optimizer step
+                        d_sum, d_count = _behav_diff_sums(logp, micro)
+                        diff_sum, diff_count = diff_sum + d_sum, diff_count + d_count
                     for key, value in metrics.items():
                         if key == "is_weight_max":
                             is_weight_max = max(is_weight_max, value)
@@ -124,26 +164,46 @@ class PolicyUpdater:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 losses.append(mb_loss)
+                vf_losses.append(mb_vf_loss)
                 grad_norms.append(float(grad_norm))
         self.scheduler.step()
 
-        out = {f"ppo/{k}": sums[k] / max(token_total, 1.0) for k in _TOKEN_METRICS if k in sums}
+        out.update(_behav_diff(diff_sum, diff_count))
+        out.update(
+            {f"ppo/{k}": sums[k] / max(token_total, 1.0) for k in _TOKEN_METRICS if k in sums}
+        )
         out["ppo/loss"] = sum(losses) / len(losses)
+        if gae:
+            out["ppo/value_loss"] = sum(vf_losses) / len(vf_losses)
         out["ppo/grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["ppo/is_weight_max"] = is_weight_max
         out["trainer/lr"] = float(lr)
         return out
 
     def export_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's weights (never the value head): what the inference engine loads."""
         return export_weights(self.model)
 
     # -- internals ----------------------------------------------------------------------
 
+    def _with_gae(self, batch: PackedBatch, values: torch.Tensor) -> PackedBatch:
+        """Token-level advantages, returns and old values from the pre-update values."""
+        cfg = self.config
+        mask = batch.response_mask
+        values = torch.where(mask.bool(), values, 0.0)
+        advantages, returns = gae_advantages(
+            batch.token_rewards(), values, mask, gamma=cfg.gamma, lam=cfg.lam
+        )
+        if cfg.whiten_advantages:
+            advantages = masked_whiten(advantages, mask)
+        return replace(batch, advantages=advantages, returns=returns, old_values=values)
+
     def _micro_loss(
         self, micro: PackedBatch, n_tok: float, n_seq: float
-    ) -> tuple[torch.Tensor, dict[str, float], float]:
+    ) -> tuple[torch.Tensor, dict[str, float], float, torch.Tensor]:
         cfg = self.config
-        logits = self._forward(self.model, micro)[:, :-1]
+        logits, hidden = self._forward(self.model, micro, hidden=self.value_head is not None)
+        logits = logits[:, :-1]
         if cfg.temperature != 1.0:
             logits = logits / cfg.temperature
         targets = micro.input_ids[:, 1:].to(self.device)
@@ -151,8 +211,8 @@ class PolicyUpdater:
         logp = token_logprobs(logits, targets)
         prox = micro.prox_logp.to(self.device) if micro.prox_logp is not None else logp.detach()
         behav = micro.behav_logp.to(self.device) if cfg.use_behaviour_logprobs else None
-        advantages = micro.advantages.to(self.device).unsqueeze(-1).expand_as(logp)
-        agg = {"num_tokens": n_tok, "num_seqs": n_seq}
+        advantages = micro.token_advantages().to(self.device)
+        agg = {"num_tokens": n_tok, "num_seqs": n_seq, "horizon": cfg.loss_agg_horizon}
         loss, pg_metrics = policy_loss(
             logp,
             prox,
@@ -167,40 +227,124 @@ class PolicyUpdater:
             **agg,
         )
         metrics = {k: float(v) for k, v in pg_metrics.items()}
+        if self.value_head is not None:
+            assert hidden is not None and micro.returns is not None
+            assert micro.old_values is not None
+            values = self._values(hidden)
+            vf_loss, vf_metrics = value_loss(
+                values,
+                micro.old_values.to(self.device),
+                micro.returns.to(self.device),
+                mask,
+                clip_eps=cfg.value_clip,
+                loss_agg=cfg.loss_agg,
+                **agg,
+            )
+            loss = loss + cfg.vf_coef * vf_loss
+            metrics["value_loss"] = float(vf_loss.detach())
+            metrics.update({k: float(v) for k, v in vf_metrics.items()})
         if cfg.entropy_coef != 0.0:
             entropy = entropy_from_logits(logits)
             loss = loss - cfg.entropy_coef * aggregate_loss(entropy, mask, cfg.loss_agg, **agg)
         else:
             with torch.no_grad():
                 entropy = entropy_from_logits(logits.detach())
-        metrics["entropy"] = float(_masked_mean(entropy.detach(), mask))
+        metrics["entropy"] = float(masked_mean(entropy.detach(), mask))
         if micro.ref_logp is not None:
-            kl = kl_penalty(logp, micro.ref_logp.to(self.device), cfg.kl_estimator)
+            kl = kl_penalty(
+                logp, micro.ref_logp.to(self.device), cfg.kl_estimator, clamp=cfg.kl_clamp
+            )
             loss = loss + cfg.kl_coef * aggregate_loss(kl, mask, cfg.loss_agg, **agg)
-            metrics["kl_ref"] = float(_masked_mean(kl.detach(), mask))
-        return loss, metrics, float(mask.sum().item())
+            metrics["kl_ref"] = float(masked_mean(kl.detach(), mask))
+        return loss, metrics, float(mask.sum().item()), logp.detach()
+
+    def _values(self, hidden: torch.Tensor) -> torch.Tensor:
+        """V for each per-token position: the head on the hidden state that predicts it."""
+        assert self.value_head is not None
+        return self.value_head(hidden[:, :-1].to(torch.float32)).squeeze(-1)
 
     @torch.no_grad()
+    def _pre_pass(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The policy's log-probs (and values, with a value head) of `batch` before any
+        update, no grad; [B, L-1] each, on the CPU."""
+        return self._no_grad_pass(self.model, batch, values=self.value_head is not None)
+
     def _logprobs(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
         """Token log-probs of `batch` under `model` (no grad), [B, L-1] on the CPU."""
-        out = torch.zeros_like(batch.behav_logp)
+        return self._no_grad_pass(model, batch, values=False)[0]
+
+    @torch.no_grad()
+    def _no_grad_pass(
+        self, model: torch.nn.Module, batch: PackedBatch, *, values: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logps = torch.zeros_like(batch.behav_logp)
+        vals = torch.zeros_like(batch.behav_logp) if values else None
         micro_batches = self.config.num_minibatches * self.config.grad_accum
         micro_size = max(1, -(-batch.size // micro_batches))
         for start in range(0, batch.size, micro_size):
             rows = torch.arange(start, min(start + micro_size, batch.size))
             micro = batch.select(rows)
-            logits = self._forward(model, micro)[:, :-1]
+            logits, hidden = self._forward(model, micro, hidden=values)
+            logits = logits[:, :-1]
             targets = micro.input_ids[:, 1:].to(logits.device)
             logp = token_logprobs(logits, targets, self.config.temperature)
-            out[rows, : logp.shape[1]] = logp.to("cpu", torch.float32)
-        return out
+            logps[rows, : logp.shape[1]] = logp.to("cpu", torch.float32)
+            if vals is not None:
+                assert hidden is not None
+                v = self._values(hidden)
+                vals[rows, : v.shape[1]] = v.to("cpu", torch.float32)
+        return logps, vals
 
-    def _forward(self, model: torch.nn.Module, micro: PackedBatch) -> torch.Tensor:
+    def _forward(
+        self, model: torch.nn.Module, micro: PackedBatch, *, hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [B, L, V], last hidden state [B, L, H] if `hidden` else None)."""
         device = next(model.parameters()).device
         inputs = {k: v.to(device) for k, v in micro.model_inputs().items()}
         if len(inputs) > 2 and self._wants_token_types and "mm_token_type_ids" not in inputs:
             inputs["mm_token_type_ids"] = _mm_token_type_ids(model, inputs["input_ids"])
-        return model(**inputs).logits
+        if not hidden:
+            return model(**inputs).logits, None
+        out = model(**inputs, output_hidden_states=True)
+        return out.logits, out.hidden_states[-1]
+
+
+def _make_value_head(model: torch.nn.Module, device: torch.device) -> torch.nn.Linear:
+    """Zero-initialised Linear(hidden, 1) in float32: V = 0 everywhere at the start."""
+    size = _hidden_size(model)
+    head = torch.nn.Linear(size, 1, device=device, dtype=torch.float32)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    return head
+
+
+def _hidden_size(model: torch.nn.Module) -> int:
+    embeddings = getattr(model, "get_output_embeddings", lambda: None)()
+    weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[1])
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    size = getattr(config, "hidden_size", None)
+    if size is None:
+        raise ValueError("cannot tell the model's hidden size for the value head")
+    return int(size)
+
+
+def _behav_diff_sums(logp: torch.Tensor, batch: PackedBatch) -> tuple[float, float]:
+    """(sum, count) of |behaviour - trainer log-prob| over the on-policy rows' tokens."""
+    if batch.on_policy is None or not bool(batch.on_policy.any()):
+        return 0.0, 0.0
+    mask = batch.response_mask.bool() & batch.on_policy.unsqueeze(-1)
+    mask = mask.to(logp.device)
+    diff = (batch.behav_logp.to(logp.device) - logp[:, : mask.shape[1]]).abs()
+    return float(masked_sum(diff, mask)), float(mask.sum())
+
+
+def _behav_diff(total: float, count: float) -> dict[str, float]:
+    """`ppo/behav_logprob_diff`, omitted when no on-policy token was seen."""
+    return {"ppo/behav_logprob_diff": total / count} if count > 0 else {}
 
 
 def export_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -225,10 +369,6 @@ def _chunks(index: torch.Tensor, parts: int) -> Iterator[torch.Tensor]:
     for chunk in torch.tensor_split(index, min(parts, len(index))):
         if len(chunk):
             yield chunk
-
-
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def _accepts(model: torch.nn.Module, argument: str) -> bool:
