@@ -161,7 +161,8 @@ def _assert_all_gone(pids: list[int], out: str) -> None:
 
 @pytest.fixture(scope="module")
 def interrupted_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str, list[int]]:
-    """A run stopped by Ctrl-C after 2+ steps (~80-120 s: Ray, vLLM start, a few steps).
+    """A run stopped by Ctrl-C after 2+ steps. Costs ~100 s on an idle 2-core machine (Ray and
+    vLLM start, a few steps, shutdown); measured 234 s with the cores shared by other jobs.
 
     Its child starts with SIGINT *ignored* (as under `cmd &` in a script, or `.ci/run` from a
     background job): the app installs its own handler, so the test passes whatever SIGINT
@@ -181,7 +182,7 @@ def interrupted_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int
 
 def test_ctrl_c_stops_every_actor_and_engine(interrupted_run) -> None:
     """Ctrl-C (inherited SIGINT ignored): checkpoint at the last logged step, exit 130, every
-    actor and engine gone. Costs the shared `interrupted_run` (~80-120 s) plus up to 20 s."""
+    actor and engine gone. Costs the shared `interrupted_run` (above) plus up to 20 s."""
     run_dir, code, out, pids = interrupted_run
     assert code == 130, out[-4000:]
     steps = [r["step"] for r in _records(run_dir)]
@@ -193,7 +194,8 @@ def test_ctrl_c_stops_every_actor_and_engine(interrupted_run) -> None:
 
 
 def test_resume_after_ctrl_c_then_sigterm(interrupted_run) -> None:
-    """Resume the Ctrl-C'd run, then SIGTERM it (~80-120 s: a second Ray + vLLM start).
+    """Resume the Ctrl-C'd run, then SIGTERM it. Costs ~100 s idle (a second Ray and vLLM
+    start, two steps, shutdown), 308 s measured on shared cores; plus `interrupted_run`.
 
     Rows past the checkpoint (as a killed run leaves them) are rewound on resume; SIGTERM
     behaves like the first Ctrl-C (checkpoint at the last logged step, every actor and engine
