@@ -115,7 +115,7 @@ class QueueActor:
             if not task.done():
                 task.cancel()
             elif not task.cancelled() and task.exception() is None:
-                await self._queue.requeue(task.result())
+                await self._queue.requeue(await task)  # done: returns at once
             raise
         finally:
             del self._gets[ticket]
