@@ -128,9 +128,8 @@ def run(config: TrainConfig, console: Console | None = None) -> RunResult:
         model_dir = ensure_model(config, run_dir)
         stopper = _Stopper(console)
         result = asyncio.run(_drive(config, run_dir, model_dir, console, stopper))
-    if stopper.signum is not None:
-        raise RunInterrupted(stopper.signum, stopper.outcome)
-    assert result is not None
+    if result is None:  # a signal stopped the run (one after the end changes nothing)
+        raise RunInterrupted(stopper.signum or signal.SIGINT, stopper.outcome)
     return result
 
 
@@ -396,6 +395,7 @@ class _Session:
         for ref in rollout_refs:  # their end after a clean stop is not news
             ref.add_done_callback(lambda f: f.cancelled() or f.exception())
         trainer_summary = await self._watch(train_ref, rollout_refs)
+        self.stopper.graceful = None  # training is over: a signal now just stops the actors
         train_s = time.monotonic() - train_started
         if self.stopper.signum is not None:
             step = trainer_summary.get("checkpoint_step")
