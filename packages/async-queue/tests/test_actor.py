@@ -29,7 +29,7 @@ def check_invariant(stats: QueueStats) -> None:
 
 
 async def wait_until_waiting(client: MessageQueueClient, seconds: float = 0.5) -> None:
-    """Give callers time to reach the actor and block there (no public 'waiters' count)."""
+    """Give callers time to reach the actor and block there."""
     await client.size()  # the actor is up
     await asyncio.sleep(seconds)
 
@@ -68,6 +68,7 @@ async def test_block_policy_producer_waits_in_the_actor(make_item) -> None:
     producer = asyncio.create_task(client.put_many([make_item(2), make_item(3)]))
     await wait_until_waiting(client)
     assert not producer.done()
+    assert (await client.stats()).waiting_producers == 1
     assert [i.sample_id for i in await client.get_batch(2)] == ["p-0", "p-1"]
     await asyncio.wait_for(producer, WAIT)
     assert [i.sample_id for i in await client.get_batch(2, min_items=2)] == ["p-2", "p-3"]
@@ -167,6 +168,8 @@ async def test_timeout_and_staleness_through_the_actor(make_item) -> None:
         "queue/dropped",
         "queue/put_wait_s",
         "queue/get_wait_s",
+        "queue/waiting_consumers",
+        "queue/waiting_producers",
     }
     ray.kill(client.handle)
 

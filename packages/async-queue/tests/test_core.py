@@ -259,5 +259,62 @@ async def test_stats_metrics_use_the_design_names(make_item) -> None:
         "queue/dropped": 1.0,
         "queue/put_wait_s": 0.0,
         "queue/get_wait_s": 0.0,
+        "queue/waiting_consumers": 0.0,
+        "queue/waiting_producers": 0.0,
     }
     assert all(isinstance(v, float) for v in metrics.values())
+
+
+async def test_stats_count_waiting_consumers_and_producers(make_item) -> None:
+    queue = MessageQueue(maxsize=2)
+    await queue.put(make_item(0))
+    consumers = [asyncio.create_task(queue.get_batch(2, min_items=2)) for _ in range(3)]
+    await _settle()
+    stats = queue.stats()
+    assert (stats.waiting_consumers, stats.waiting_producers) == (3, 0)
+    assert stats.as_metrics()["queue/waiting_consumers"] == 3.0
+    consumers[0].cancel()  # a cancelled wait no longer counts
+    with pytest.raises(QueueTimeout):  # nor does a timed-out one
+        await queue.get_batch(2, timeout=0.01, min_items=2)
+    await _settle()
+    assert queue.stats().waiting_consumers == 2
+    await queue.close()
+    await asyncio.gather(*consumers, return_exceptions=True)
+    assert queue.stats().waiting_consumers == 0
+
+    full = MessageQueue(maxsize=1)
+    await full.put(make_item(0))
+    producers = [asyncio.create_task(full.put(make_item(i))) for i in (1, 2)]
+    await _settle()
+    stats = full.stats()
+    assert (stats.waiting_consumers, stats.waiting_producers) == (0, 2)
+    assert stats.as_metrics()["queue/waiting_producers"] == 2.0
+    await full.get()  # room for one of them
+    await _settle()
+    assert full.stats().waiting_producers == 1
+    await full.close()
+    await asyncio.gather(*producers, return_exceptions=True)
+    assert full.stats().waiting_producers == 0
+
+
+async def test_requeue_puts_items_back_at_the_head_as_not_consumed(make_item) -> None:
+    queue = MessageQueue(maxsize=3)
+    await queue.put_many([make_item(i, version=i) for i in range(3)])
+    taken = await queue.get_batch(2)
+    await queue.put(make_item(3, version=3))  # the queue is full again
+    await queue.requeue(taken)  # may exceed maxsize: these were queued a moment ago
+    stats = queue.stats()
+    assert (stats.size, stats.consumed, stats.requeued, stats.oldest_version) == (4, 0, 2, 0)
+    check_invariant(stats)
+    await queue.close()  # a closed queue still delivers what was handed back
+    assert [i.sample_id for i in await queue.get_batch(10)] == ["p-0", "p-1", "p-2", "p-3"]
+    check_invariant(queue.stats())
+
+    failing = MessageQueue(maxsize=4)
+    await failing.put_many([make_item(0), make_item(1)])
+    taken = await failing.get_batch(1)
+    await failing.close(RuntimeError("producer died"))
+    await failing.requeue(taken)  # after a failure: dropped like the rest, never delivered
+    stats = failing.stats()
+    assert (stats.size, stats.consumed, stats.dropped) == (0, 0, {"producer_failed": 2})
+    check_invariant(stats)

@@ -189,13 +189,16 @@ class RolloutActor:
         return [msgspec.to_builtins(f) for f in self._rollouter.failures]
 
     async def stop(self) -> None:
+        """Stop the rollout loop and close the engine; safe before `start()` has finished."""
         if self._run_task is not None and not self._run_task.done():
             await self._rollouter.stop()
             self._run_task.cancel()
-        await self._engine.close()
-        if self._preprocessor is not None:
+        if hasattr(self, "_engine"):
+            await self._engine.close()
+        if getattr(self, "_preprocessor", None) is not None:
             await self._preprocessor.aclose()
-        await self._lag.stop()
+        if hasattr(self, "_lag"):
+            await self._lag.stop()
 
 
 def _max_model_len(model_dir: str, cap: int = 2048) -> int:
@@ -255,6 +258,7 @@ class TrainerActor:
         self._rollout_actors = rollout_actors
         self._records: list[tuple[int, dict[str, Any]]] = []
         self._train_started: float | None = None
+        self._stop_requested = False
 
     def log(self, metrics: dict[str, Any], step: int) -> None:  # MetricsSink
         # `trainer/wall_s`: seconds since training began (after the model load), so time to
@@ -263,7 +267,11 @@ class TrainerActor:
         self._records.append((step, {**metrics, "trainer/wall_s": wall_s}))
 
     async def train(self) -> dict[str, Any]:
-        """Train to `steps`; returns the summary and the consumed group ids."""
+        """Train to `steps` or until `stop()`; returns the summary, the consumed group ids and
+        `checkpoint_step`: the step of the checkpoint this call saved last (None if none).
+
+        A checkpoint is saved at the end (also after `stop()`) unless the last step already
+        wrote one or no step was taken, so the last checkpoint is always at the last step."""
         from async_queue import QueueClosed
         from mm_preprocess import EventLoopLagMonitor
         from ppo_trainer import PPOConfig, PPOTrainer, export_weights
@@ -312,6 +320,8 @@ class TrainerActor:
             mm_inputs_fn=mm_inputs_fn,
             pad_token_id=tokenizer.pad_token_id or 0,
         )
+        if self._stop_requested:  # stop() came while the model was loading
+            self._trainer.stop()
         skip: tuple[str, ...] = ()
         if spec.resume_from:
             await self._trainer.load_checkpoint(spec.resume_from)
@@ -321,12 +331,19 @@ class TrainerActor:
             await sink.push_weights(weights, self._trainer.version)
         source = QueueBatchSource(self._queue, spec.max_staleness, skip_ids=skip)
         self._train_started = time.monotonic()
+        start_step = self._trainer.step
         summary = await self._trainer.train(source, end_of_stream=(QueueClosed,))
-        if self._trainer.step % max(spec.checkpoint_every, 1) != 0 or not spec.checkpoint_every:
+        step, every = self._trainer.step, spec.checkpoint_every
+        checkpoint_step = (step // every) * every if every else None  # saved by the loop
+        if checkpoint_step is not None and checkpoint_step <= start_step:
+            checkpoint_step = None  # (before this call)
+        if step > start_step and checkpoint_step != step:
             await self._save_final(checkpoints)
+            checkpoint_step = step
         await self._lag.stop()
         return {
             **summary.as_dict(),
+            "checkpoint_step": checkpoint_step,
             "consumed_group_ids": list(self._trainer.consumed_group_ids),
         }
 
@@ -346,5 +363,8 @@ class TrainerActor:
         return _process_tree()
 
     async def stop(self) -> None:
+        """Graceful stop: the step in progress finishes, then `train()` checkpoints and
+        returns. Also works before `train()` has built its trainer."""
+        self._stop_requested = True
         if hasattr(self, "_trainer"):
             self._trainer.stop()

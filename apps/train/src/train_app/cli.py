@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated
 
@@ -32,9 +34,12 @@ def train(
 
     Options can also come from a TOML file (`--config FILE`, keys = option names with
     underscores); flags on the command line override it. `--resume RUN_DIR` reuses that run's
-    config.toml the same way.
+    config.toml the same way, continues from its last checkpoint and rewinds its metrics to it.
+
+    Ctrl-C or SIGTERM: the trainer finishes the step in progress and saves a checkpoint there,
+    then every actor and engine stops (exit 130 / 143). A second Ctrl-C exits at once.
     """
-    from train_app.run import RunFailed, run
+    from train_app.run import RunFailed, RunInterrupted, run
 
     console = Console()
     try:
@@ -47,8 +52,14 @@ def train(
     except RunFailed as exc:
         console.print(f"[bold red]run failed:[/] {exc}")
         return 1
+    except RunInterrupted as exc:  # SIGINT -> 130, SIGTERM -> 143
+        console.print(
+            f"[bold yellow]interrupted ({exc.signal_name}):[/] {exc.detail}; "
+            "every actor and engine was stopped"
+        )
+        return exc.exit_code
     except KeyboardInterrupt:
-        console.print("[bold yellow]interrupted:[/] every actor and engine was stopped")
+        console.print("[bold yellow]interrupted:[/] stopped before training started")
         return 130
     console.print(f"outputs in {result.run_dir}")
     return 0
@@ -86,6 +97,10 @@ def _resume_dir(tokens: tuple[str, ...]) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C works even if this process inherited SIGINT ignored (a background job of a
+        # non-interactive shell); the run installs its own handlers later (see run.py).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     result = app.meta(sys.argv[1:] if argv is None else argv)
     return result if isinstance(result, int) else 0

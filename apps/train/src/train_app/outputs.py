@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -11,20 +12,35 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["MetricsWriter", "plot_run", "read_metrics", "summary_table"]
+__all__ = ["MetricsWriter", "plot_run", "read_metrics", "rewind_metrics", "summary_table"]
 
 
 class MetricsWriter:
-    """A `MetricsSink`: one JSON object per trainer step, mirrored to TensorBoard scalars."""
+    """A `MetricsSink`: one JSON object per trainer step, mirrored to TensorBoard scalars.
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True) -> None:
+    `resume_step` (a resumed run: the step of the checkpoint it continues from) rewinds the
+    history first, so no step is shown twice: rows of metrics.jsonl with a larger step are
+    removed (`rewind_metrics`, atomic; `kept` holds the rows that stay), and the TensorBoard
+    writer starts with `purge_step=resume_step + 1`, which makes TensorBoard discard the
+    events of later steps from the earlier event files.
+    """
+
+    def __init__(
+        self, run_dir: Path, *, tensorboard: bool = True, resume_step: int | None = None
+    ) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.kept: list[dict[str, Any]] = []
+        if resume_step is not None:
+            self.kept = rewind_metrics(self.path, resume_step)
         self._file = self.path.open("a", buffering=1)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+            self._tb = SummaryWriter(
+                log_dir=str(Path(run_dir) / "tensorboard"),
+                purge_step=None if resume_step is None else resume_step + 1,
+            )
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         record = {"step": step, **metrics}
@@ -46,6 +62,33 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return value.tolist()
     return str(value)
+
+
+def rewind_metrics(path: Path, step: int) -> list[dict[str, Any]]:
+    """Cut metrics.jsonl back to `step`: keep the rows with `step <= step`, one per step (the
+    last written wins), in step order, and return them. The file is replaced atomically (a
+    temporary file renamed over it), so a crash leaves the old or the new history, never half.
+    A torn last line (a killed run) is dropped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        at = record.get("step") if isinstance(record, dict) else None
+        if isinstance(at, int) and at <= step:
+            rows[at] = record
+    kept = [rows[k] for k in sorted(rows)]
+    tmp = path.with_name(f".{path.name}.rewind")
+    with tmp.open("w") as file:
+        file.writelines(json.dumps(r, default=_jsonable) + "\n" for r in kept)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, path)
+    return kept
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -2,8 +2,20 @@
 
 Failure handling: if a rollouter dies, the driver fails the queue with the cause, so the
 trainer's next read raises `ProducerFailed` and the run exits non-zero within seconds; if the
-trainer or the queue dies, its error ends the run the same way. Ctrl-C stops every engine and
-actor, and shuts down the Ray cluster this run started.
+trainer or the queue dies, its error ends the run the same way.
+
+Stopping (SIGINT / Ctrl-C and SIGTERM alike; the driver installs its own handlers, whatever
+disposition it inherited, and replaces the SIGTERM handler `ray.init` puts in place, which
+would abort the process with a native stack trace):
+
+- The first signal stops the run gracefully. While training, the trainer finishes the step in
+  progress (with its weight push), abandons a wait for data at once, and saves a checkpoint at
+  that step, which is the last step in metrics.jsonl; then every rollouter stops its engine,
+  every actor is killed, the Ray cluster this run started is shut down, and `run` raises
+  `RunInterrupted` (exit code 128 + signal: 130 for SIGINT, 143 for SIGTERM). Before training
+  starts (engines starting), it skips straight to stopping the actors.
+- A second signal exits at once: no waiting for the step, the checkpoint or engine shutdown;
+  actors are killed and the cluster shut down.
 """
 
 from __future__ import annotations
@@ -13,8 +25,11 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import statistics
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -28,7 +43,7 @@ from train_app.outputs import MetricsWriter, plot_run, print_summary
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunFailed", "RunResult", "run"]
+__all__ = ["RunFailed", "RunInterrupted", "RunResult", "run"]
 
 # How often the driver polls metrics and actor health.
 POLL_S = 0.5
@@ -47,6 +62,28 @@ WORKER_ENV = {
 
 class RunFailed(RuntimeError):
     """An actor of the run failed; the message carries the cause."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM stopped the run; `exit_code` is 128 + the signal number.
+
+    `detail` says what was saved (the checkpoint step) or that the exit was immediate."""
+
+    def __init__(self, signum: int, detail: str = "") -> None:
+        super().__init__(signum, detail)
+        self.signum = signum
+        self.detail = detail
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    def __str__(self) -> str:
+        return f"{self.signal_name}: {self.detail}" if self.detail else self.signal_name
 
 
 @dataclass
@@ -80,36 +117,146 @@ def ensure_model(config: TrainConfig, run_dir: Path) -> Path:
 
 
 def run(config: TrainConfig, console: Console | None = None) -> RunResult:
-    """Run training to the end; raises `RunFailed` with the cause if an actor fails."""
+    """Run training to the end; raises `RunFailed` with the cause if an actor fails and
+    `RunInterrupted` after SIGINT / SIGTERM (see the module doc)."""
     config.validate()
     console = console or Console()
-    run_dir = prepare_run_dir(config)
-    os.environ.update({k: v for k, v in WORKER_ENV.items() if k not in os.environ})
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((run_dir / ".inductor").resolve()))
-    model_dir = ensure_model(config, run_dir)
-    return asyncio.run(_drive(config, run_dir, model_dir, console))
+    with _signals_raise():
+        run_dir = prepare_run_dir(config)
+        os.environ.update({k: v for k, v in WORKER_ENV.items() if k not in os.environ})
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((run_dir / ".inductor").resolve()))
+        model_dir = ensure_model(config, run_dir)
+        stopper = _Stopper(console)
+        result = asyncio.run(_drive(config, run_dir, model_dir, console, stopper))
+    if result is None:  # a signal stopped the run (one after the end changes nothing)
+        raise RunInterrupted(stopper.signum or signal.SIGINT, stopper.outcome)
+    return result
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """Outside the event loop: SIGINT raises KeyboardInterrupt and SIGTERM `RunInterrupted`,
+    even if the process inherited SIGINT ignored (a background job of a non-interactive
+    shell). Restores the previous handlers afterwards. Main thread only (else a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise RunInterrupted(signum, "stopped before training started")
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+class _Stopper:
+    """SIGINT and SIGTERM while the driver's loop runs: the first stops the run gracefully
+    (`graceful()` if training is under way, else the main task is cancelled so the actors are
+    stopped); the second cancels whatever runs and exits at once (`hard`)."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.signum: int | None = None
+        self.hard = False
+        self.outcome = ""  # what the stop saved, for RunInterrupted's message
+        # Set by the session once training runs: asks the trainer to stop; True if it did.
+        self.graceful: Callable[[], bool] | None = None
+        self._main: asyncio.Task[Any] | None = None
+
+    def install(self) -> None:
+        """(Re)install the handlers on the running loop. Call again after `ray.init`."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._main = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def uninstall(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is None:
+            self.signum = signum
+            if self.graceful is not None and self.graceful():
+                self.console.print(
+                    f"[bold yellow]{name}:[/] finishing the current step, saving a checkpoint, "
+                    "then stopping every actor and engine (again to exit at once)"
+                )
+                return
+            self.console.print(
+                f"[bold yellow]{name}:[/] stopping every actor and engine (again to exit at once)"
+            )
+        else:
+            self.hard = True
+            self.outcome = "exited at once, without a new checkpoint"
+            self.console.print(f"[bold red]{name} again:[/] exiting at once")
+        if self._main is not None:
+            self._main.cancel()
 
 
 async def _drive(
-    config: TrainConfig, run_dir: Path, model_dir: Path, console: Console
-) -> RunResult:
+    config: TrainConfig, run_dir: Path, model_dir: Path, console: Console, stopper: _Stopper
+) -> RunResult | None:
+    """The run on the event loop; None when a signal stopped it (`stopper.signum`)."""
     import ray
 
+    stopper.install()
     started_ray = False
-    if not ray.is_initialized():
-        env = {**WORKER_ENV, "TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]}
-        if config.ray_address:
-            ray.init(address=config.ray_address, runtime_env={"env_vars": env})
-        else:
-            _start_local_ray(num_cpus=max(2, config.rollout_replicas + 1), env=env)
-            started_ray = True
-    session = _Session(config, run_dir, model_dir, console)
+    session: _Session | None = None
     try:
-        return await session.run()
+        if not ray.is_initialized():
+            env = {
+                **WORKER_ENV,
+                "TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"],
+            }
+            if config.ray_address:
+                ray.init(address=config.ray_address, runtime_env={"env_vars": env})
+            else:
+                _start_local_ray(num_cpus=max(2, config.rollout_replicas + 1), env=env)
+                started_ray = True
+        stopper.install()  # ray.init replaced SIGTERM's handler with one that aborts
+        session = _Session(config, run_dir, model_dir, console, stopper)
+        try:
+            result: RunResult | None = await session.run()
+        except asyncio.CancelledError:
+            if stopper.signum is None:
+                raise
+            _uncancel()
+            result = None
+        return None if stopper.signum is not None else result
     finally:
-        await session.shutdown()
-        if started_ray:
-            ray.shutdown()
+        try:
+            if session is not None and not stopper.hard:
+                try:
+                    await session.shutdown()
+                except asyncio.CancelledError:
+                    if not stopper.hard:
+                        raise
+                    _uncancel()
+        finally:
+            if session is not None:
+                session.kill()
+            if started_ray:
+                ray.shutdown()
+            stopper.uninstall()
+
+
+def _uncancel() -> None:
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
 
 
 def _start_local_ray(num_cpus: int, env: dict[str, str], attempts: int = 3) -> None:
@@ -136,17 +283,25 @@ def _start_local_ray(num_cpus: int, env: dict[str, str], attempts: int = 3) -> N
 class _Session:
     """One run's actors and outputs."""
 
-    def __init__(self, config: TrainConfig, run_dir: Path, model_dir: Path, console: Console):
+    def __init__(
+        self,
+        config: TrainConfig,
+        run_dir: Path,
+        model_dir: Path,
+        console: Console,
+        stopper: _Stopper,
+    ):
         self.config, self.run_dir, self.model_dir, self.console = (
             config,
             run_dir,
             model_dir,
             console,
         )
+        self.stopper = stopper
         self.rollouts: list[Any] = []
         self.trainer: Any = None
         self.queue: Any = None
-        self.writer = MetricsWriter(run_dir)
+        self.writer: MetricsWriter | None = None
         self.records: list[dict[str, Any]] = []
         self.rollout_metrics: dict[str, Any] = {}
 
@@ -158,7 +313,11 @@ class _Session:
 
         c = self.config
         pin = c.rollout_replicas == 1 and (os.cpu_count() or 1) >= 2 and not c.ray_address
-        resume_ckpt, resume_version, consumed = _resume_state(c, self.run_dir)
+        resume = _resume_state(c, self.run_dir)
+        resume_ckpt, resume_version, consumed = resume.checkpoint, resume.version, resume.prompts
+        # A resumed run continues from its checkpoint's step: history after it is rewound.
+        self.writer = MetricsWriter(self.run_dir, resume_step=resume.step)
+        self.records = list(self.writer.kept)
         k = c.effective_staleness
         self.queue = MessageQueueClient.create(
             maxsize=(k + 2) * c.batch_size, actor_options={"num_cpus": 0}
@@ -233,17 +392,32 @@ class _Session:
         )
         train_started = time.monotonic()
         train_ref = asyncio.ensure_future(_await(self.trainer.train.remote()))
+        self.stopper.graceful = self._stop_training
         rollout_refs = [asyncio.ensure_future(_await(r.wait.remote())) for r in self.rollouts]
         for ref in rollout_refs:  # their end after a clean stop is not news
             ref.add_done_callback(lambda f: f.cancelled() or f.exception())
         trainer_summary = await self._watch(train_ref, rollout_refs)
+        self.stopper.graceful = None  # training is over: a signal now just stops the actors
         train_s = time.monotonic() - train_started
+        if self.stopper.signum is not None:
+            step = trainer_summary.get("checkpoint_step")
+            self.stopper.outcome = (
+                f"checkpoint at step {step} saved (continue with --resume {self.run_dir})"
+                if step is not None
+                else "no new step since the last checkpoint; nothing to save"
+            )
         await self._collect_metrics()
         failures = await asyncio.gather(*(_await(r.failures.remote()) for r in self.rollouts))
         (self.run_dir / "failures.json").write_text(
             json.dumps([f for replica in failures for f in replica], indent=1)
         )
         return self._finish(trainer_summary, train_s, startup_s=train_started - t0)
+
+    def _stop_training(self) -> bool:
+        """First SIGINT/SIGTERM while training: the trainer finishes its step, checkpoints
+        and returns (see TrainerActor.stop); `_watch` then sees `train` end."""
+        self.trainer.stop.remote()  # fire and forget: train()'s end is the answer
+        return True
 
     async def _watch(self, train_ref: asyncio.Future, rollout_refs: list[asyncio.Future]) -> Any:
         c = self.config
@@ -284,6 +458,7 @@ class _Session:
             records = await asyncio.wait_for(_await(self.trainer.drain_metrics.remote()), 5)
         except Exception:
             records = []
+        assert self.writer is not None
         for step, metrics in records:
             record = {**self.rollout_metrics, **queue_metrics, **metrics}
             self.writer.log(record, step)
@@ -300,6 +475,7 @@ class _Session:
         )
 
     def _finish(self, trainer_summary: Any, train_s: float, startup_s: float) -> RunResult:
+        assert self.writer is not None
         self.writer.close()
         consumed = trainer_summary.get("consumed_group_ids", [])
         (self.run_dir / "consumed_ids.json").write_text(json.dumps(consumed))
@@ -321,23 +497,31 @@ class _Session:
             "plot": str(plot),
             "metrics": str(self.writer.path),
         }
+        if self.stopper.signum is not None:
+            summary["interrupted_by"] = signal.Signals(self.stopper.signum).name
+            summary["checkpoint_step"] = trainer_summary.get("checkpoint_step")
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print_summary(summary, self.console)
         return RunResult(self.run_dir, summary)
 
     async def shutdown(self) -> None:
         """Stop engines and actors; safe to call after a failure or Ctrl-C."""
-        import ray
-
         for actor in self.rollouts:
             await _quietly(asyncio.wait_for(_await(actor.stop.remote()), 20))
         if self.queue is not None:
             await _quietly(asyncio.wait_for(self.queue.close(), 5))
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill every actor at once (no graceful stop); a no-op for those already dead."""
+        import ray
+
         for actor in [*self.rollouts, self.trainer, getattr(self.queue, "handle", None)]:
             if actor is not None:
                 with contextlib.suppress(Exception):  # already dead is fine
                     ray.kill(actor)
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def _task_options(config: TrainConfig, run_dir: Path) -> dict[str, Any]:
@@ -351,10 +535,21 @@ def _task_options(config: TrainConfig, run_dir: Path) -> dict[str, Any]:
     }
 
 
-def _resume_state(config: TrainConfig, run_dir: Path) -> tuple[str | None, int, list[str]]:
-    """(checkpoint dir, its policy version, consumed sample ids) of a run to resume."""
+@dataclass(frozen=True)
+class _Resume:
+    """Where a resumed run continues: its checkpoint, step, policy version, and the prompt
+    ids consumed before (None / 0 / empty for a new run)."""
+
+    checkpoint: str | None = None
+    step: int | None = None
+    version: int = 0
+    prompts: tuple[str, ...] = ()
+
+
+def _resume_state(config: TrainConfig, run_dir: Path) -> _Resume:
+    """The checkpoint of a run to resume (its `latest`), read without torch."""
     if config.resume is None:
-        return None, 0, []
+        return _Resume()
     from ppo_trainer import read_checkpoint_meta
 
     checkpoint = run_dir / "checkpoints" / "latest"
@@ -362,8 +557,8 @@ def _resume_state(config: TrainConfig, run_dir: Path) -> tuple[str | None, int, 
         raise RunFailed(f"--resume {run_dir}: no checkpoint in {checkpoint.parent}")
     meta = read_checkpoint_meta(checkpoint)
     # Group ids are "<prompt id>:<admission counter>"; the prompt stream skips by prompt id.
-    prompts = [group_id.rsplit(":", 1)[0] for group_id in meta.consumed_group_ids]
-    return str(checkpoint.resolve()), meta.version, prompts
+    prompts = tuple(group_id.rsplit(":", 1)[0] for group_id in meta.consumed_group_ids)
+    return _Resume(str(checkpoint.resolve()), meta.step, meta.version, prompts)
 
 
 async def _await(ref: Any) -> Any:

@@ -5,19 +5,25 @@ Use it through `MessageQueueClient`; the actor's own methods take and return enc
 call, and `max_concurrency` (default 1000) bounds how many calls may wait at once: it must
 exceed the number of consumers that can wait together, or a waiting crowd would lock out the
 producer.
+
+A get carries a `ticket` (a client-made id) so that its caller can abandon it: see
+`QueueActor.abandon` and the client's module doc for how a cancelled get never loses items.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+from collections import OrderedDict
+from collections.abc import Coroutine
 from typing import Any
 
 import ray
 
 from async_queue import _wire
 from async_queue.core import MessageQueue
-from async_queue.errors import ProducerFailed
+from async_queue.errors import GetAbandoned, ProducerFailed
 from async_queue.types import FullPolicy
 
 __all__ = ["DEFAULT_MAX_CONCURRENCY", "QueueActor", "start_queue_actor"]
@@ -25,6 +31,9 @@ __all__ = ["DEFAULT_MAX_CONCURRENCY", "QueueActor", "start_queue_actor"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONCURRENCY = 1000
+# Abandons that found no get of their ticket are remembered (for a get that arrives late);
+# the oldest are forgotten beyond this many.
+_EARLY_ABANDONS_KEPT = 1024
 
 
 class QueueActor:
@@ -33,12 +42,20 @@ class QueueActor:
     def __init__(self, maxsize: int, policy: str) -> None:
         # Items stay encoded: the actor reads only their version (see async_queue._wire).
         self._queue: MessageQueue[_wire.RawItem] = MessageQueue(maxsize, policy)
+        self._gets: dict[str, asyncio.Task[list[_wire.RawItem]]] = {}  # ticket -> its get
+        self._abandoned: set[str] = set()  # tickets of running gets their caller abandoned
+        self._early_abandons: OrderedDict[str, None] = OrderedDict()
 
     async def put_many(self, elements: list[_wire.WireItem]) -> None:
         await self._queue.put_many(_wire.to_raw_items(elements))
 
-    async def get(self, timeout: float | None) -> list[_wire.WireItem]:  # noqa: ASYNC109
-        return [(await self._queue.get(timeout)).wire]
+    async def get(
+        self,
+        timeout: float | None,  # noqa: ASYNC109
+        ticket: str | None = None,
+    ) -> list[_wire.WireItem]:
+        batch = await self._take(ticket, self._queue.get_batch(1, timeout))
+        return [batch[0].wire]
 
     async def get_batch(
         self,
@@ -47,15 +64,67 @@ class QueueActor:
         min_items: int,
         current_version: int | None,
         max_staleness: int | None,
+        ticket: str | None = None,
     ) -> list[_wire.WireItem]:
-        batch = await self._queue.get_batch(
+        call = self._queue.get_batch(
             n,
             timeout,
             min_items=min_items,
             current_version=current_version,
             max_staleness=max_staleness,
         )
-        return [item.wire for item in batch]
+        return [item.wire for item in await self._take(ticket, call)]
+
+    async def abandon(self, ticket: str) -> None:
+        """The caller of the get `ticket` was cancelled and no longer wants its items.
+
+        A get still waiting stops and takes nothing; one that took items but has not replied
+        yet gives them back (`requeue`) and raises `GetAbandoned`; one that arrives later
+        raises `GetAbandoned` at once. A get that already replied is the client's to undo:
+        it hands the items of that reply back with `requeue`."""
+        task = self._gets.get(ticket)
+        if task is None:
+            self._early_abandons[ticket] = None
+            while len(self._early_abandons) > _EARLY_ABANDONS_KEPT:
+                self._early_abandons.popitem(last=False)
+            return
+        self._abandoned.add(ticket)
+        task.cancel()  # no effect if it has taken its items already: _take gives them back
+
+    async def requeue(self, elements: list[_wire.WireItem]) -> None:
+        """Take back the items of a get whose caller was cancelled (see `abandon`)."""
+        await self._queue.requeue(_wire.to_raw_items(elements))
+
+    async def _take(
+        self, ticket: str | None, call: Coroutine[Any, Any, list[_wire.RawItem]]
+    ) -> list[_wire.RawItem]:
+        """Run a get of the core under its ticket, so that `abandon(ticket)` can stop it."""
+        if ticket is None:
+            return await call
+        if self._early_abandons.pop(ticket, False) is None:
+            call.close()
+            raise GetAbandoned(ticket)
+        task = asyncio.ensure_future(call)
+        self._gets[ticket] = task
+        try:
+            batch = await task
+        except asyncio.CancelledError:
+            if ticket in self._abandoned and task.cancelled():
+                raise GetAbandoned(ticket) from None
+            # This call itself was cancelled (ray.cancel): stop the wait; give back what it took.
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled() and task.exception() is None:
+                await self._queue.requeue(await task)  # done: returns at once
+            raise
+        finally:
+            del self._gets[ticket]
+            abandoned = ticket in self._abandoned
+            self._abandoned.discard(ticket)
+        if abandoned:  # taken just before the abandon came: back to the head, not returned
+            await self._queue.requeue(batch)
+            raise GetAbandoned(ticket)
+        return batch
 
     async def close(self, cause_type: str | None, cause_message: str | None) -> None:
         # The cause arrives as text: the actor need not import the producer's exception class.

@@ -6,21 +6,33 @@ msgpack-encoded items. Exceptions the actor raises arrive wrapped in `RayTaskErr
 clients re-raise the package's own `QueueClosed`, `ProducerFailed`, `QueueFull`,
 `QueueTimeout`.
 
-Timeouts are enforced inside the actor, so a timed-out `get` takes nothing. Do not wrap a get
-in `asyncio.wait_for` instead: cancelling the await asks Ray to cancel the actor call
-(`ray.cancel`), but an item already taken by that call is lost (counted as consumed).
+Timeouts are enforced inside the actor, so a timed-out `get` takes nothing.
+
+A cancelled get never loses items (exactly-once delivery). Cancelling the caller of `get` /
+`get_batch` (a stopping trainer, `asyncio.wait_for`) must not leave items taken for nobody.
+Ray's own `ray.cancel` cannot promise that: when the actor has already taken the items, the
+owner may still turn the reply into `TaskCancelledError` and drop it. So gets are never
+`ray.cancel`led. Each get carries a fresh `ticket`; when its caller is cancelled, the client
+calls `abandon(ticket)` on the actor, which stops a get that is still waiting (it takes
+nothing) or makes one that took items but has not replied put them back at the head of the
+queue. Then the client awaits the get's reply: if the get had replied before the abandon
+arrived, its items come back in that reply and the client returns them (`requeue`, to the
+head, in order). Only then does the cancellation complete. The caller never saw the items, so
+each item is delivered once, to a later get. (Cancelled again while handing back, the
+hand-back finishes in the background on the same loop.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Self
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayError, RayTaskError
 
 from async_queue import _wire
 from async_queue.actor import DEFAULT_MAX_CONCURRENCY, start_queue_actor
@@ -36,6 +48,15 @@ from async_queue.types import FullPolicy, QueueItem, QueueStats
 __all__ = ["MessageQueueClient", "SyncMessageQueueClient"]
 
 logger = logging.getLogger(__name__)
+
+# Hand-backs that outlived a second cancellation of their caller (strong references).
+_HANDING_BACK: set[asyncio.Task[None]] = set()
+# How long the sync client waits, after Ctrl-C, for the reply of the get it interrupted.
+_SYNC_HAND_BACK_S = 10.0
+
+
+def _ticket() -> str:
+    return uuid.uuid4().hex
 
 
 def _own_error(exc: RayTaskError) -> QueueError | None:
@@ -162,7 +183,7 @@ class MessageQueueClient:
     async def get(self, timeout: float | None = None) -> QueueItem:  # noqa: ASYNC109
         """Next item; `QueueTimeout` after `timeout` s (nothing taken), `QueueClosed` when
         closed and drained, `ProducerFailed` after a failure."""
-        return _wire.from_wire(await self._call(self._actor.get, timeout))[0]
+        return _wire.from_wire(await self._take(self._actor.get, timeout))[0]
 
     async def get_batch(
         self,
@@ -180,7 +201,7 @@ class MessageQueueClient:
         Timeout: `QueueTimeout`, nothing taken; the list is never empty. After `close()`, a
         partial final batch is returned, then `QueueClosed`."""
         _check_batch_args(n, min_items, current_version, max_staleness)
-        elements = await self._call(
+        elements = await self._take(
             self._actor.get_batch, n, timeout, min_items, current_version, max_staleness
         )
         return _wire.from_wire(elements)
@@ -215,11 +236,30 @@ class MessageQueueClient:
                 raise
             raise own from None
         except asyncio.CancelledError:
-            # Best effort: stop the actor-side wait so it does not take an item for nobody.
+            _cancel(ref)  # best effort: stop a put still waiting for room in the actor
+            raise
+
+    async def _take(self, method: Any, *args: Any) -> list[_wire.WireItem]:
+        """A get call whose items are never lost to a cancellation (see the module doc)."""
+        ticket = _ticket()
+        ref = method.remote(*args, ticket)
+        try:
+            return await ref
+        except RayTaskError as exc:
+            own = _own_error(exc)
+            if own is None:
+                raise
+            raise own from None
+        except asyncio.CancelledError:
+            hand_back = asyncio.ensure_future(_hand_back(self._actor, ref, ticket))
+            _HANDING_BACK.add(hand_back)
+            hand_back.add_done_callback(_HANDING_BACK.discard)
             try:
-                ray.cancel(ref)
-            except Exception:  # the call may have finished already
-                logger.debug("could not cancel queue call", exc_info=True)
+                await asyncio.shield(hand_back)
+            except asyncio.CancelledError:
+                pass  # cancelled again: the hand-back goes on in the background
+            except Exception:
+                logger.warning("could not hand items back to the queue", exc_info=True)
             raise
 
 
@@ -292,7 +332,7 @@ class SyncMessageQueueClient:
         self._call("close", self._actor.close, *_cause_text(error))
 
     def get(self, timeout: float | None = None) -> QueueItem:
-        return _wire.from_wire(self._call("get", self._actor.get, timeout))[0]
+        return _wire.from_wire(self._take("get", self._actor.get, timeout))[0]
 
     def get_batch(
         self,
@@ -304,7 +344,7 @@ class SyncMessageQueueClient:
         max_staleness: int | None = None,
     ) -> list[QueueItem]:
         _check_batch_args(n, min_items, current_version, max_staleness)
-        elements = self._call(
+        elements = self._take(
             "get_batch",
             self._actor.get_batch,
             n,
@@ -339,6 +379,49 @@ class SyncMessageQueueClient:
             if own is None:
                 raise
             raise own from None
+
+    def _take(self, name: str, method: Any, *args: Any) -> list[_wire.WireItem]:
+        """A get whose items survive Ctrl-C (KeyboardInterrupt) like the async client's."""
+        _forbid_running_loop(name)
+        ticket = _ticket()
+        ref = method.remote(*args, ticket)
+        try:
+            return ray.get(ref)
+        except RayTaskError as exc:
+            own = _own_error(exc)
+            if own is None:
+                raise
+            raise own from None
+        except KeyboardInterrupt:
+            ray.get(self._actor.abandon.remote(ticket), timeout=_SYNC_HAND_BACK_S)
+            try:
+                elements = ray.get(ref, timeout=_SYNC_HAND_BACK_S)
+            except RayError:  # GetTimeoutError too
+                elements = None  # nothing was taken (or the queue is gone)
+            if elements:
+                ray.get(self._actor.requeue.remote(elements), timeout=_SYNC_HAND_BACK_S)
+            raise
+
+
+def _cancel(ref: ray.ObjectRef) -> None:
+    """Ask Ray to cancel an actor call (a no-op if it finished)."""
+    try:
+        ray.cancel(ref)
+    except Exception:
+        logger.debug("could not cancel queue call", exc_info=True)
+
+
+async def _hand_back(actor: ActorHandle, ref: ray.ObjectRef, ticket: str) -> None:
+    """After the caller of a get was cancelled: abandon the get in the actor; if it replied
+    with items before the abandon arrived, put them back at the head of the queue."""
+    await actor.abandon.remote(ticket)
+    try:
+        elements = await ref
+    except RayError:
+        return  # abandoned, timed out, closed, failed, or the actor is gone: nothing taken
+    if elements:
+        await actor.requeue.remote(elements)
+        logger.debug("handed %d item(s) of a cancelled get back to the queue", len(elements))
 
 
 def _forbid_running_loop(method_name: str) -> None:

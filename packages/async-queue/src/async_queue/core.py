@@ -5,6 +5,7 @@ conditions share it: producers wait on `_room`, consumers on `_items_ready`. Eve
 re-checks its predicate under the lock, so a `close()` wakes everybody and nobody hangs.
 
 Accounting invariant (checked by the tests): `produced == consumed + dropped_total + size`.
+`requeue` (items a cancelled get had taken, handed back) undoes a consume, so it holds too.
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ class MessageQueue(Generic[ItemT]):
         self._dropped: Counter[str] = Counter()
         self._put_wait_s = 0.0
         self._get_wait_s = 0.0
+        self._requeued = 0
+        self._waiting_consumers = 0
+        self._waiting_producers = 0
 
     # ------------------------------------------------------------------ properties
 
@@ -225,6 +229,28 @@ class MessageQueue(Generic[ItemT]):
             self._room.notify_all()
             return batch
 
+    async def requeue(self, items: Iterable[ItemT]) -> None:
+        """Give back items that a get took but could not deliver (its caller was cancelled).
+
+        They go back to the head of the queue, in their order, ahead of everything queued, as
+        if never taken: `consumed` goes down by their number (`requeued` counts them). This is
+        not a put: it ignores `maxsize` (they were in the queue a moment ago) and works after
+        `close()` (consumers still drain them). After a producer failure they are counted as
+        dropped "producer_failed", like the items queued when it came."""
+        batch = list(items)
+        if not batch:
+            return
+        async with self._lock:
+            self._consumed -= len(batch)
+            self._requeued += len(batch)
+            if self._failure is not None:
+                self._dropped[DROP_REASON_PRODUCER_FAILED] += len(batch)
+                return
+            self._items.extendleft(reversed(batch))
+            for item in batch:
+                self._version_counts[item.version] += 1
+            self._items_ready.notify_all()
+
     # ------------------------------------------------------------------ close / stats
 
     async def close(self, error: BaseException | str | None = None) -> None:
@@ -260,6 +286,9 @@ class MessageQueue(Generic[ItemT]):
             rejected=self._rejected,
             put_wait_s=self._put_wait_s,
             get_wait_s=self._get_wait_s,
+            waiting_consumers=self._waiting_consumers,
+            waiting_producers=self._waiting_producers,
+            requeued=self._requeued,
             oldest_version=min(versions) if versions else None,
             newest_version=max(versions) if versions else None,
             closed=self._closed,
@@ -277,10 +306,16 @@ class MessageQueue(Generic[ItemT]):
         limit_s: float | None,
         waited: str,
     ) -> None:
-        """Wait (lock held) until `predicate()`; add the time waited to the put/get total."""
+        """Wait (lock held) until `predicate()`; add the time waited to the put/get total and
+        count the caller as a waiting producer/consumer meanwhile."""
         if predicate():
             return
         started = time.perf_counter()
+        producer = waited == "put"
+        if producer:
+            self._waiting_producers += 1
+        else:
+            self._waiting_consumers += 1
         try:
             async with asyncio.timeout(limit_s):
                 await condition.wait_for(predicate)
@@ -288,9 +323,11 @@ class MessageQueue(Generic[ItemT]):
             raise QueueTimeout(f"not enough items within {limit_s} s") from None
         finally:
             elapsed = time.perf_counter() - started
-            if waited == "put":
+            if producer:
+                self._waiting_producers -= 1
                 self._put_wait_s += elapsed
             else:
+                self._waiting_consumers -= 1
                 self._get_wait_s += elapsed
 
     def _raise_if_failed(self) -> None:

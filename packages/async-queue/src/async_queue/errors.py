@@ -64,6 +64,14 @@ class QueueTimeout(QueueError, TimeoutError):
     """
 
 
+class GetAbandoned(QueueError):
+    """Internal: the caller of this get was cancelled and abandoned it; nothing was taken.
+
+    Raised in the actor to a get whose client sent `abandon(ticket)`. No caller sees it: the
+    client only reads it to learn that the abandoned call took nothing.
+    """
+
+
 class SyncClientInEventLoopError(RuntimeError):
     """`SyncMessageQueueClient` was called on a thread whose asyncio event loop is running.
 

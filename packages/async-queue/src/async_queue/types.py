@@ -60,6 +60,9 @@ class QueueStats(msgspec.Struct, kw_only=True, frozen=True):
     they are None exactly when `size == 0`.
     `put_wait_s` / `get_wait_s` are the summed seconds producers waited for room and consumers
     waited for items (all callers together, so they can exceed wall time).
+    `waiting_consumers` / `waiting_producers`: gets blocked for items and puts blocked for room
+    right now. `requeued`: items that cancelled gets had taken and handed back (they count as
+    queued again, not as consumed).
     """
 
     schema_version: int = QUEUE_STATS_SCHEMA_VERSION
@@ -78,10 +81,14 @@ class QueueStats(msgspec.Struct, kw_only=True, frozen=True):
     closed: bool
     failed: bool
     failure: str | None = None
+    waiting_consumers: int = 0
+    waiting_producers: int = 0
+    requeued: int = 0
 
     def as_metrics(self) -> dict[str, float]:
         """The design's metric names: `queue/size|produced|consumed|dropped`,
-        `queue/put_wait_s|get_wait_s` (`queue/dropped` is `dropped_total`)."""
+        `queue/put_wait_s|get_wait_s` (`queue/dropped` is `dropped_total`), and
+        `queue/waiting_consumers|waiting_producers`."""
         return {
             "queue/size": float(self.size),
             "queue/produced": float(self.produced),
@@ -89,4 +96,6 @@ class QueueStats(msgspec.Struct, kw_only=True, frozen=True):
             "queue/dropped": float(self.dropped_total),
             "queue/put_wait_s": self.put_wait_s,
             "queue/get_wait_s": self.get_wait_s,
+            "queue/waiting_consumers": float(self.waiting_consumers),
+            "queue/waiting_producers": float(self.waiting_producers),
         }

@@ -1,0 +1,87 @@
+"""SIGINT / SIGTERM handling of the driver, without Ray: which signal does what, and the exit
+codes (the end-to-end behaviour is in test_train_e2e.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from train_app import cli
+from train_app import run as run_module
+from train_app.run import RunInterrupted, _signals_raise, _Stopper
+
+
+def test_first_signal_stops_gracefully_the_second_exits_at_once() -> None:
+    graceful: list[int] = []
+
+    async def main() -> tuple[bool, bool]:
+        stopper = _Stopper(Console(file=io.StringIO()))
+        stopper.install()
+        try:
+            stopper.graceful = lambda: graceful.append(1) or True
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0.2)  # not cancelled: the trainer is asked to stop
+            first = (stopper.signum, stopper.hard)
+            os.kill(os.getpid(), signal.SIGINT)
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.sleep(5)
+            return first == (signal.SIGTERM, False), stopper.hard
+        finally:
+            stopper.uninstall()
+
+    assert asyncio.run(main()) == (True, True)
+    assert graceful == [1]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_first_signal_before_training_cancels_the_run() -> None:
+    async def main() -> int | None:
+        stopper = _Stopper(Console(file=io.StringIO()))
+        stopper.install()
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.sleep(5)
+            assert not stopper.hard
+            return stopper.signum
+        finally:
+            stopper.uninstall()
+
+    assert asyncio.run(main()) == signal.SIGINT
+
+
+def _signal_self(signum: int) -> None:
+    os.kill(os.getpid(), signum)
+    for _ in range(100):  # Python runs the handler between bytecodes
+        pass
+
+
+def test_signals_raise_even_if_sigint_was_inherited_ignored() -> None:
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job
+    try:
+        with _signals_raise(), pytest.raises(KeyboardInterrupt):
+            _signal_self(signal.SIGINT)
+        with _signals_raise(), pytest.raises(RunInterrupted) as caught:
+            _signal_self(signal.SIGTERM)
+        assert caught.value.exit_code == 143
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # restored afterwards
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_cli_exit_code_of_an_interrupted_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], signum: int, code: int
+) -> None:
+    def interrupted(config: object, console: object) -> run_module.RunResult:
+        raise RunInterrupted(signum, "checkpoint at step 7 saved")
+
+    monkeypatch.setattr(run_module, "run", interrupted)
+    assert cli.main(["--runs-dir", str(Path("/nonexistent"))]) == code
+    out = capsys.readouterr().out
+    assert signal.Signals(signum).name in out and "step 7" in out
