@@ -30,7 +30,7 @@ import random
 import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rollout_engine import Completion, PauseMode, SamplingConfig
@@ -55,31 +55,31 @@ class EngineStats:
 
 
 @dataclass(eq=False, slots=True)
-class _Seq:
-    request: _Request
-    index: int
-    target: int  # tokens (units) to produce in this request
-    stops: bool  # ends with EOS (else runs to max_tokens: "length")
-    alive: bool = True
-
-
-@dataclass(eq=False)
 class _Request:
+    """A request's `n` sequences, by index: they join the running batch together."""
+
     request_id: str
     prompt_units: int
     n: int
     future: asyncio.Future[list[Completion]]
     base_keys: list[str]
-    seqs: list[_Seq] = field(default_factory=list)
-    # Set when it joins the running batch (all its sequences join together).
-    ctx_start: float = 0.0  # real context tokens of each sequence
+    targets: list[int]  # tokens (units) each sequence produces in this request
+    stops: list[bool]  # ends with EOS (else it runs to max_tokens: "length")
+    live: list[bool]  # still decoding (or waiting to)
+    results: list[Completion | None]
+    remaining: int
+    fail_fraction: float | None = None  # fails at this fraction of its longest sequence
+    running: bool = False
+    ctx_start: float = 0.0  # real context tokens of each sequence when it joined
     p_join: float = 0.0
     mark_index: int = 0  # first version mark after it joined
     version: int = 0  # engine version when it joined
-    results: list[Completion | None] = field(default_factory=list)
-    remaining: int = 0
-    fail_fraction: float | None = None  # fails at this fraction of its longest sequence
-    running: bool = False
+
+    def alive(self, index: int) -> bool:
+        """Heap entry `index` (a sequence, or -1: the failure marker) still counts."""
+        if index < 0:
+            return self.fail_fraction is not None and not self.future.done()
+        return self.live[index]
 
 
 class SimEngine:
@@ -117,7 +117,7 @@ class SimEngine:
         self._t = 0.0
         self._speed = 1.0
         self._stall_until = 0.0
-        self._heap: list[tuple[float, int, _Seq | _Request]] = []
+        self._heap: list[tuple[float, int, _Request, int]] = []
         self._counter = 0
         self._n = 0
         self._ctx_sum = 0.0  # sum of ctx_start over running sequences
@@ -202,7 +202,7 @@ class SimEngine:
                 await self._drained
         self._reschedule()
         self._update_busy(now)
-        if self.decode.pause_s > 0:
+        if mode != "wait" and self.decode.pause_s > 0:
             await asyncio.sleep(self.decode.pause_s)
 
     async def resume(self) -> None:
@@ -274,34 +274,41 @@ class SimEngine:
     ) -> _Request:
         self.stats.requests += 1
         max_units = min(self._max_units, sampling.max_tokens)
-        request = _Request(request_id, prompt_units, n, loop.create_future(), [])
         head, sep, _ = request_id.rpartition(":r")
-        continuation = bool(sep) and n == 1 and head in self._suspended
-        if continuation:
+        if sep and n == 1 and head in self._suspended:
             self.stats.continuations += 1
             remaining, stops = self._suspended.pop(head)
-            request.base_keys = [head]
-            targets = [(min(remaining, max_units), stops and remaining <= max_units)]
+            base_keys = [head]
+            targets = [min(remaining, max_units)]
+            ends = [stops and remaining <= max_units]
         else:
             prompt_id = request_id.split(":", 1)[0]
             rng = random.Random(zlib.crc32(f"{self._seed}:{prompt_id}".encode()))
-            request.base_keys = [f"{request_id}:{i}" for i in range(n)]
-            targets = [self._draw(rng, max_units) for _ in range(n)]
+            base_keys = [f"{request_id}:{i}" for i in range(n)]
+            unit = self._unit
+            targets = [
+                max(1, -(-tokens // unit))
+                for tokens in self.lengths.sample_many(rng, n, self._version)
+            ]
+            ends = [t < max_units for t in targets]
+            targets = [min(t, max_units) for t in targets]
+        request = _Request(
+            request_id,
+            prompt_units,
+            n,
+            loop.create_future(),
+            base_keys,
+            targets,
+            ends,
+            [True] * n,
+            [None] * n,
+            n,
+        )
         if self._failure_rate > 0:
             frng = random.Random(zlib.crc32(f"{self._seed}:fail:{request_id}".encode()))
             if frng.random() < self._failure_rate:
                 request.fail_fraction = frng.random()
-        request.seqs = [_Seq(request, i, target=t, stops=s) for i, (t, s) in enumerate(targets)]
-        request.results = [None] * n
-        request.remaining = n
         return request
-
-    def _draw(self, rng: random.Random, max_units: int) -> tuple[int, bool]:
-        tokens = self.lengths.sample(rng, self._version)
-        units = max(1, math.ceil(tokens / self._unit))
-        if units >= max_units:
-            return max_units, False
-        return units, True
 
     def _admit(self, now: float) -> None:
         """Move waiting requests into the running batch while there is room."""
@@ -327,16 +334,13 @@ class SimEngine:
             self._ctx_sum += prompt_tokens * request.n
             self._join_sum += p * request.n
             counter = self._counter
-            longest = 0
-            for seq in request.seqs:
+            for index, target in enumerate(request.targets):
                 counter += 1
-                heapq.heappush(heap, (p + seq.target, counter, seq))
-                if seq.target > longest:
-                    longest = seq.target
+                heapq.heappush(heap, (p + target, counter, request, index))
             if request.fail_fraction is not None:
                 counter += 1
-                end = p + max(1e-6, request.fail_fraction * longest)
-                heapq.heappush(heap, (end, counter, request))
+                end = p + max(1e-6, request.fail_fraction * max(request.targets))
+                heapq.heappush(heap, (end, counter, request, -1))
             self._counter = counter
             if self._trace is not None:
                 self._trace("admit", now, self.replica, request.request_id, request.n)
@@ -398,7 +402,7 @@ class SimEngine:
         if self._frozen or self._n == 0:
             return
         heap = self._heap
-        while heap and not _alive(heap[0][2]):
+        while heap and not heap[0][2].alive(heap[0][3]):
             heapq.heappop(heap)
         if not heap:
             return
@@ -413,13 +417,13 @@ class SimEngine:
         self._p = max(self._p, end_p)  # the clock's resolution must not leave it short
         heap = self._heap
         while heap and heap[0][0] <= self._p + _EPS:
-            _, _, item = heapq.heappop(heap)
-            if not _alive(item):
+            _, _, request, index = heapq.heappop(heap)
+            if not request.alive(index):
                 continue
-            if isinstance(item, _Seq):
-                self._finish_seq(item, now, aborted=False)
+            if index >= 0:
+                self._finish_seq(request, index, now, aborted=False)
             else:
-                self._fail_request(item, now)
+                self._fail_request(request, now)
         self._admit(now)
         self._reschedule()
         self._update_busy(now)
@@ -442,35 +446,35 @@ class SimEngine:
 
     # ------------------------------------------------------------------ endings
 
-    def _remove_seq(self, seq: _Seq) -> None:
-        seq.alive = False
+    def _remove_seq(self, request: _Request, index: int) -> None:
+        """Sequence `index` leaves the running batch."""
+        request.live[index] = False
         self._n -= 1
-        self._ctx_sum -= seq.request.ctx_start
-        self._join_sum -= seq.request.p_join
+        self._ctx_sum -= request.ctx_start
+        self._join_sum -= request.p_join
         if self._n == 0:  # no drift of the running sums
             self._ctx_sum = self._join_sum = 0.0
 
-    def _finish_seq(self, seq: _Seq, now: float, aborted: bool) -> None:
-        request = seq.request
+    def _finish_seq(self, request: _Request, index: int, now: float, aborted: bool) -> None:
+        target = request.targets[index]
         if aborted:
-            produced = min(seq.target, max(0, math.floor(self._p - request.p_join + _EPS)))
+            produced = min(target, max(0, math.floor(self._p - request.p_join + _EPS)))
             reason = "abort"
         else:
-            produced = seq.target
-            reason = "stop" if seq.stops else "length"
-        if seq.alive and request.running:
-            self._remove_seq(seq)
-        seq.alive = False
-        versions = self._versions(request, produced)
-        request.results[seq.index] = Completion(
+            produced = target
+            reason = "stop" if request.stops[index] else "length"
+        if request.live[index] and request.running:
+            self._remove_seq(request, index)
+        request.live[index] = False
+        request.results[index] = Completion(
             token_ids=[1] * produced if reason != "stop" else [1] * (produced - 1) + [0],
             logprobs=[-1.0] * produced,
-            versions=versions,
+            versions=self._versions(request, produced),
             finish_reason=reason,
         )
         if aborted:
             self.stats.aborted_sequences += 1
-            self._suspended[request.base_keys[seq.index]] = (seq.target - produced, seq.stops)
+            self._suspended[request.base_keys[index]] = (target - produced, request.stops[index])
         request.remaining -= 1
         if request.remaining == 0:
             self._complete(request, now)
@@ -507,20 +511,20 @@ class SimEngine:
             return
         if not request.running:
             self._waiting.remove(request)
-        for seq in request.seqs:
-            if request.results[seq.index] is None:
-                if not request.running:
-                    request.p_join = self._p  # never joined: no tokens
-                    request.mark_index = len(self._marks_p)
-                    request.version = self._version
-                self._finish_seq(seq, now, aborted=True)
+        if not request.running:  # never joined: no tokens
+            request.p_join = self._p
+            request.mark_index = len(self._marks_p)
+            request.version = self._version
+        for index in range(request.n):
+            if request.results[index] is None:
+                self._finish_seq(request, index, now, aborted=True)
         request.fail_fraction = None
 
     def _fail_request(self, request: _Request, now: float) -> None:
         self.stats.failures += 1
-        for seq in request.seqs:
-            if seq.alive:
-                self._remove_seq(seq)
+        for index in range(request.n):
+            if request.live[index]:
+                self._remove_seq(request, index)
         self._requests.pop(request.request_id, None)
         request.fail_fraction = None
         if not request.future.done():
@@ -536,10 +540,10 @@ class SimEngine:
         self._advance(now)
         if request in self._waiting:
             self._waiting.remove(request)
-        for seq in request.seqs:
-            if seq.alive and request.running:
-                self._remove_seq(seq)
-            seq.alive = False
+        for index in range(request.n):
+            if request.live[index] and request.running:
+                self._remove_seq(request, index)
+            request.live[index] = False
         request.fail_fraction = None
         self._requests.pop(request.request_id, None)
         self._admit(now)
@@ -551,9 +555,3 @@ class SimEngine:
         if self._drained is not None and not self._requests:
             self._drained.set_result(None)
             self._drained = None
-
-
-def _alive(item: _Seq | _Request) -> bool:
-    if isinstance(item, _Seq):
-        return item.alive
-    return item.fail_fraction is not None and not item.future.done()

@@ -8,17 +8,17 @@ units of `token_unit` real tokens (see `SimConfig`) but the models never see tha
   iteration takes `iteration_s + per_seq_s * running + per_ctx_token_s * context tokens`. A
   request that joins the batch first costs a prefill (`prefill_s + prefill_per_token_s *
   tokens`, the prompt once for its `n` samples; prompt + tokens so far for a continuation),
-  during which the replica's decoding stalls. `pause_s`, `load_s`, `resume_s` are the weight
-  push's costs on the engine side. At most `max_num_seqs` sequences run; later requests wait.
+  during which the replica's decoding stalls. `pause_s` (modes keep and abort; "wait" costs
+  the drain), `load_s`, `resume_s` are the weight push's costs on the engine side. At most
+  `max_num_seqs` sequences run; later requests wait.
 - `TrainerModel`: a step over a batch costs `step_s + per_token_s * tokens + per_token_sq_s *
   sum(sequence length ** 2)` (tokens: prompt + response of every sample), then `export_s`
   (weights out of the trainer), then the push: `push_s` of transfer before the replicas pause,
   load and resume. `overhead_s` per step and `checkpoint_s` every `checkpoint_every` steps.
   `background_push` is `PPOConfig.background_push`: the next step overlaps the push; pushes
   stay serial.
-- `Contention`: where generation and training share a machine (this one: 2 cores), a step
-  that runs while the engine decodes is `trainer_factor` times slower and decoding during a
-  step `engine_factor` times slower. 1.0 for separate GPUs.
+- `Contention`: where generation and training share a machine (this one: 2 cores): slowdowns
+  while both run at once, and of the whole async mode. 1.0 for separate GPUs.
 - `LengthModel`: response lengths: a lognormal body (`median`, `sigma`) or an empirical
   `histogram` of (length, weight), plus a fraction `cap_fraction` that runs to `max_tokens`
   (the long tail of truncated responses). `cap_schedule` makes that fraction follow the policy
@@ -70,6 +70,17 @@ class DecodeModel:
     def prefill_time(self, tokens: float) -> float:
         return self.prefill_s + self.prefill_per_token_s * tokens
 
+    def scaled(self, factor: float) -> DecodeModel:
+        """The same replica with decoding and prefill `factor` times slower."""
+        return replace(
+            self,
+            iteration_s=self.iteration_s * factor,
+            per_seq_s=self.per_seq_s * factor,
+            per_ctx_token_s=self.per_ctx_token_s * factor,
+            prefill_s=self.prefill_s * factor,
+            prefill_per_token_s=self.prefill_per_token_s * factor,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class TrainerModel:
@@ -94,20 +105,40 @@ class TrainerModel:
     def step_time(self, tokens: float, sq_tokens: float = 0.0) -> float:
         return self.step_s + self.per_token_s * tokens + self.per_token_sq_s * sq_tokens
 
+    def scaled(self, factor: float) -> TrainerModel:
+        """The same trainer with every step `factor` times slower (a shared machine)."""
+        return replace(
+            self,
+            step_s=self.step_s * factor,
+            per_token_s=self.per_token_s * factor,
+            per_token_sq_s=self.per_token_sq_s * factor,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Contention:
-    """Slowdown factors while generation and training overlap on shared hardware."""
+    """Slowdowns where generation and training share hardware (1.0: separate GPUs).
+
+    `trainer_factor` / `engine_factor`: while the engine decodes and the trainer steps at the
+    same moment, the step runs that many times slower, and decoding too. `async_trainer_factor`
+    / `async_engine_factor`: every step / decode iteration of an async run costs that many
+    times the sync run's (what a calibration on a shared machine measures: the async trainer
+    runs next to a live rollouter, queue and engine whatever the moment).
+    """
 
     trainer_factor: float = 1.0
     engine_factor: float = 1.0
+    async_trainer_factor: float = 1.0
+    async_engine_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.trainer_factor < 1.0 or self.engine_factor < 1.0:
-            raise ValueError("contention factors are slowdowns: >= 1.0")
+        for f in fields(self):
+            if getattr(self, f.name) < 1.0:
+                raise ValueError(f"Contention.{f.name} is a slowdown: >= 1.0")
 
     @property
     def enabled(self) -> bool:
+        """Overlap contention is modelled (the trainer watches the engines)."""
         return self.trainer_factor != 1.0 or self.engine_factor != 1.0
 
 
@@ -126,6 +157,7 @@ class LengthModel:
     # (version, cap_fraction) pairs, increasing versions; overrides cap_fraction.
     cap_schedule: tuple[tuple[float, float], ...] = ()
     _cumulative: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
+    _versions: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in ("lognormal", "histogram"):
@@ -144,17 +176,17 @@ class LengthModel:
             if total <= 0:
                 raise ValueError("histogram weights sum to 0")
             object.__setattr__(self, "_cumulative", tuple(c / total for c in cumulative))
-        versions = [v for v, _ in self.cap_schedule]
-        if versions != sorted(versions):
+        versions = tuple(v for v, _ in self.cap_schedule)
+        if list(versions) != sorted(versions):
             raise ValueError("cap_schedule versions must increase")
+        object.__setattr__(self, "_versions", versions)
 
     def cap_at(self, version: float) -> float:
         """The fraction of responses that run to `max_tokens` at a policy version."""
         schedule = self.cap_schedule
         if not schedule:
             return self.cap_fraction
-        versions = [v for v, _ in schedule]
-        i = bisect.bisect_right(versions, version)
+        i = bisect.bisect_right(self._versions, version)
         if i == 0:
             return schedule[0][1]
         if i == len(schedule):
@@ -172,6 +204,29 @@ class LengthModel:
         else:
             length = round(rng.lognormvariate(math.log(self.median), self.sigma))
         return max(self.min_tokens, min(self.max_tokens, length))
+
+    def sample_many(self, rng: random.Random, n: int, version: float = 0.0) -> list[int]:
+        """`n` draws of `sample` (the same stream), cheaper."""
+        cap, top = self.cap_at(version), self.max_tokens
+        low = self.min_tokens
+        draw = rng.random
+        out = []
+        if self.kind == "histogram":
+            cumulative, histogram, last = self._cumulative, self.histogram, len(self.histogram) - 1
+            for _ in range(n):
+                if draw() < cap:
+                    out.append(top)
+                    continue
+                length = histogram[min(bisect.bisect_left(cumulative, draw()), last)][0]
+                out.append(max(low, min(top, length)))
+            return out
+        mu, sigma, lognormal = math.log(self.median), self.sigma, rng.lognormvariate
+        for _ in range(n):
+            if draw() < cap:
+                out.append(top)
+                continue
+            out.append(max(low, min(top, round(lognormal(mu, sigma)))))
+        return out
 
     def mean(self, version: float = 0.0, draws: int = 20000, seed: int = 0) -> float:
         """Monte-Carlo mean length (for reports and fits)."""

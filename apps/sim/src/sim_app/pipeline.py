@@ -16,9 +16,10 @@ Modes (`SimConfig.mode`):
 
 - `"async"`: k = `max_staleness`, the pacing policy, partial rollout as configured.
 - `"sync"`: the same code with k = 0 and no partial rollout (the app's `--mode sync`).
-- `"colocate"`: sync on all GPUs: generation on `colocate_replicas` replicas, then training
-  `colocate_speedup` times faster, plus `colocate_switch_s` per step (verl's colocated
-  hybrid engine: the baseline of its fully-async report).
+- `"colocate"`: sync on all GPUs: a whole version's batch (`batch_size * sync_every`) is
+  generated on `colocate_replicas` replicas, then trained as one step `colocate_speedup` times
+  faster, plus `colocate_switch_s` per version (verl's colocated hybrid engine, the baseline of
+  its fully-async report: the same GPUs cannot train while they generate).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from sim_app.engine import EngineStats, SimEngine
 from sim_app.models import Contention, DecodeModel, LengthModel, TrainerModel
 from sim_app.trainer import ContentionState, QueueSink, Replica, SimItem, SimTrainer
 
-__all__ = ["Mode", "SimConfig", "SimResult", "Trace", "simulate", "simulate_async"]
+__all__ = ["Mode", "SimConfig", "SimResult", "Trace", "new_loop", "simulate", "simulate_async"]
 
 Mode = Literal["sync", "async", "colocate"]
 
@@ -62,7 +63,7 @@ class SimConfig:
     mode: Mode = "async"
     steps: int = 100
     seed: int = 0
-    batch_size: int = 16  # groups per trainer step, all replicas together
+    batch_size: int = 16  # groups per trainer step, all replicas together (>= replicas)
     group_size: int = 8
     max_concurrency: int = 16  # groups in flight per replica
     max_staleness: int = 2
@@ -99,8 +100,8 @@ class SimConfig:
         for name in ("steps", "batch_size", "group_size", "max_concurrency", "replicas"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.batch_size % self.replicas:
-            raise ValueError("batch_size must be a multiple of replicas")
+        if self.batch_size < self.replicas:
+            raise ValueError("batch_size must be >= replicas (every replica gets a share)")
         if self.simulate_replicas is not None and not 1 <= self.simulate_replicas <= self.replicas:
             raise ValueError("simulate_replicas must be in [1, replicas]")
         if not 0.0 <= self.failure_rate < 1.0:
@@ -141,7 +142,7 @@ class SimResult:
     staleness_hist: dict[int, int]
     consumed_groups: int
     duplicates: int
-    samples: int
+    samples: float
     tokens: float
     trainer_wait_s: float
     conservation_errors: list[str] = field(default_factory=list)
@@ -155,6 +156,16 @@ class SimResult:
     def step_time_s(self) -> float:
         """Mean seconds per trainer step (wall / steps)."""
         return self.wall_s / self.steps if self.steps else math.nan
+
+    @property
+    def versions(self) -> int:
+        """Weight versions pushed (every `sync_every` steps; every step in colocate mode)."""
+        return int(self.records[-1]["trainer/version"]) if self.records else 0
+
+    @property
+    def version_time_s(self) -> float:
+        """Mean seconds per weight version: comparable across modes (same prompts each)."""
+        return self.wall_s / self.versions if self.versions else math.nan
 
     @property
     def trainer_idle_ratio(self) -> float:
@@ -175,6 +186,11 @@ class SimResult:
         trajectories = sum(s.trajectories for s in self.rollout)
         return sum(s.partial for s in self.rollout) / trajectories if trajectories else 0.0
 
+    @property
+    def failed(self) -> int:
+        """Groups whose generation failed (not those cancelled by the stop at the end)."""
+        return sum(s.failed - s.failure_counts.get("CancelledError", 0) for s in self.rollout)
+
     def summary(self) -> dict[str, Any]:
         """Flat figures for tables and JSON."""
         return {
@@ -182,6 +198,7 @@ class SimResult:
             "steps": self.steps,
             "wall_s": self.wall_s,
             "step_time_s": self.step_time_s,
+            "version_time_s": self.version_time_s,
             "samples_per_s": self.samples / self.wall_s if self.wall_s else 0.0,
             "tokens_per_s": self.tokens / self.wall_s if self.wall_s else 0.0,
             "staleness_mean": self.staleness_mean,
@@ -191,7 +208,7 @@ class SimResult:
             "engine_busy_ratio": self.engine_busy_ratio,
             "partial_ratio": self.partial_ratio,
             "dropped": sum(s.dropped for s in self.rollout) + self.queue.dropped_total,
-            "failed": sum(s.failed for s in self.rollout),
+            "failed": self.failed,
             "cpu_s": self.cpu_s,
             "trace_hash": self.trace_hash,
         }
@@ -238,9 +255,32 @@ async def _prompts(replica: int, units: int) -> AsyncIterator[PromptSample]:
         index += 1
 
 
+class _NoExecutors:
+    """Stands in for looptime's set of executor futures, which it scans on every loop turn to
+    let threads finish in real time. The simulation runs no executor (a thread would make the
+    virtual time depend on the real one): the scan is skipped and an executor is refused."""
+
+    def __iter__(self) -> Any:
+        return iter(())
+
+    def add(self, future: object) -> None:
+        raise RuntimeError(
+            "the simulation runs no executors (rewards and prompts stay on the loop)"
+        )
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    """A looptime loop for the simulation: no no-op turns beyond the one looptime needs
+    before it moves the clock, and no executors."""
+    loop = looptime.new_event_loop(noop_cycles=1)
+    if hasattr(loop, "_LoopTimeEventLoop__sync_futures"):
+        loop._LoopTimeEventLoop__sync_futures = _NoExecutors()  # type: ignore[attr-defined]
+    return loop
+
+
 def simulate(config: SimConfig, *, keep_events: int = 0) -> SimResult:
     """Run `config` on a fresh looptime loop; see the module docstring."""
-    loop = looptime.new_event_loop(noop_cycles=1)
+    loop = new_loop()
     logging.getLogger("rollout_engine").setLevel(logging.ERROR)
     # Millions of short-lived objects and few cycles: collect young objects less often.
     threshold = gc.get_threshold()
@@ -259,22 +299,32 @@ async def simulate_async(config: SimConfig, *, keep_events: int = 0) -> SimResul
     trace = Trace(keep=keep_events)
     k = config.effective_staleness
     replicas = config.effective_replicas
-    if config.batch_size % replicas:
-        raise ValueError(f"batch_size {config.batch_size} is not a multiple of {replicas} replicas")
     simulated = min(config.simulate_replicas or replicas, replicas)
-    per_replica = config.batch_size // replicas
+    colocate = config.mode == "colocate"
+    batch_size, sync_every = config.batch_size, config.sync_every
+    if colocate:  # one step per version: training waits for the whole version's batch
+        batch_size, sync_every = batch_size * sync_every, 1
+    if batch_size < replicas:
+        raise ValueError(f"batch_size {batch_size} < {replicas} replicas")
+    # Replica i admits its share of every batch (the first ones one more when it does not
+    # divide); only the first `simulated` run, and the trainer's step costs the whole batch.
+    shares = [batch_size // replicas + (i < batch_size % replicas) for i in range(replicas)]
     unit = config.token_unit
     max_units = max(1, math.ceil(config.lengths.max_tokens / unit))
     prompt_units = max(1, math.ceil(config.prompt_tokens / unit))
-    batch = per_replica * simulated
+    batch = sum(shares[:simulated])
     queue: MessageQueue[SimItem] = MessageQueue(maxsize=config.queue_maxsize or (k + 2) * batch)
     contention = ContentionState(config.contention)
+    decode, trainer_model = config.decode, config.trainer
+    if config.mode == "async":
+        decode = decode.scaled(config.contention.async_engine_factor)
+        trainer_model = trainer_model.scaled(config.contention.async_trainer_factor)
     sink = QueueSink(queue)
     rollout_config = RolloutConfig(
         group_size=config.group_size,
         max_concurrency=config.max_concurrency,
-        batch_size=per_replica,
-        sync_every=config.sync_every,
+        batch_size=shares[0],
+        sync_every=sync_every,
         max_staleness=k,
         pacing=config.pacing,
         pacing_margin=config.pacing_margin,
@@ -288,7 +338,7 @@ async def simulate_async(config: SimConfig, *, keep_events: int = 0) -> SimResul
     handles: list[Replica] = []
     for index in range(simulated):
         engine = SimEngine(
-            config.decode,
+            decode,
             config.lengths,
             seed=config.seed,
             replica=index,
@@ -303,7 +353,7 @@ async def simulate_async(config: SimConfig, *, keep_events: int = 0) -> SimResul
             _prompts(index, prompt_units),
             sink,
             _Reward(),
-            rollout_config,
+            dataclasses.replace(rollout_config, batch_size=shares[index]),
             clock=loop.time,
         )
         handles.append(Replica(rollouter, queue, index, simulated))
@@ -311,6 +361,8 @@ async def simulate_async(config: SimConfig, *, keep_events: int = 0) -> SimResul
     errors: list[str] = []
 
     def check(trainer: SimTrainer) -> None:
+        idle = [h.rollouter.metrics()["rollout/idle_ratio"] for h in handles]
+        trainer.records[-1]["rollout/idle_ratio"] = statistics.fmean(idle)
         for index, handle in enumerate(handles):
             s = handle.rollouter.stats()
             if s.admitted != s.delivered + s.failed + s.dropped + s.in_flight:
@@ -322,20 +374,19 @@ async def simulate_async(config: SimConfig, *, keep_events: int = 0) -> SimResul
         if q.produced != q.consumed + q.dropped_total + q.size:
             errors.append(f"step {trainer.step}: queue {q}")
 
-    colocate = config.mode == "colocate"
     trainer = SimTrainer(
         queue,
         handles,
-        config.trainer,
+        trainer_model,
         contention,
         batch_size=batch,
         max_staleness=k,
-        steps=config.steps,
-        sync_every=config.sync_every,
+        steps=config.steps // config.sync_every if colocate else config.steps,
+        sync_every=sync_every,
         token_unit=unit,
-        token_scale=replicas / simulated,
+        token_scale=batch_size / batch,
         speedup=config.colocate_speedup if colocate else 1.0,
-        extra_step_s=config.colocate_switch_s if colocate else 0.0,
+        switch_s=config.colocate_switch_s if colocate else 0.0,
         seed=config.seed,
         trace=trace,
         on_step=check,

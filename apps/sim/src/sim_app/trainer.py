@@ -144,7 +144,7 @@ class SimTrainer:
         token_unit: int = 1,
         token_scale: float = 1.0,
         speedup: float = 1.0,
-        extra_step_s: float = 0.0,
+        switch_s: float = 0.0,
         seed: int = 0,
         initial_version: int = 0,
         trace: Callable[..., None] | None = None,
@@ -161,7 +161,7 @@ class SimTrainer:
         self._unit = token_unit
         self._scale = token_scale
         self._speedup = speedup
-        self._extra_step_s = extra_step_s
+        self._switch_s = switch_s
         self._rng = random.Random(f"trainer:{seed}")
         self._trace = trace
         self._on_step = on_step
@@ -172,7 +172,7 @@ class SimTrainer:
         self.consumed_groups = 0
         self.consumed_ids: set[str] = set()
         self.duplicates = 0
-        self.samples = 0
+        self.samples = 0.0  # the whole batch's (scaled when replicas are sampled)
         self.tokens = 0.0
         self.wait_s = 0.0
         self.started_at = 0.0
@@ -197,7 +197,7 @@ class SimTrainer:
             self.wait_s += wait_s
             staleness, tokens, sq_tokens = self._consume(items)
             step_s = model.step_time(tokens * self._scale, sq_tokens * self._scale)
-            step_s = step_s / self._speedup + self._extra_step_s
+            step_s = step_s / self._speedup
             if model.jitter > 0:
                 step_s *= 1.0 + model.jitter * max(-3.0, min(3.0, self._rng.gauss(0.0, 1.0)))
             await self._contention.work(step_s)
@@ -205,6 +205,8 @@ class SimTrainer:
             self.step += 1
             metrics: dict[str, Any] = {}
             if self.step % self._sync_every == 0:
+                if self._switch_s > 0:  # colocate: the engines sleep and wake
+                    await asyncio.sleep(self._switch_s)
                 self.version += 1
                 sync_started = loop.time()
                 await self._finish_push()
@@ -226,7 +228,7 @@ class SimTrainer:
                     "trainer/idle_ratio": wait_s / (now - iteration_start),
                     "trainer/version": self.version,
                     "trainer/tokens": tokens * self._scale,
-                    "trainer/samples": sum(len(i.group) for i in items),
+                    "trainer/samples": round(sum(len(i.group) for i in items) * self._scale),
                     "trainer/wall_s": self.wall_s,
                     "staleness/mean": sum(staleness) / len(staleness) if staleness else 0.0,
                     "staleness/max": max(staleness, default=0),
@@ -265,7 +267,7 @@ class SimTrainer:
                 length = (len(t.prompt_ids) + len(t.response_ids)) * unit
                 tokens += length
                 sq_tokens += length * length
-            self.samples += len(group)
+            self.samples += len(group) * self._scale
         self.staleness_hist.update(staleness)
         self.consumed_groups += len(items)
         self.tokens += tokens * self._scale
