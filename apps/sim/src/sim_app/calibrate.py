@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from sim_app.models import Contention, DecodeModel, LengthModel, TrainerModel
-from sim_app.pipeline import SimConfig, simulate
+from sim_app.pipeline import SimConfig, SimResult, simulate
 
 __all__ = [
     "ENGINE_LOAD_S",
@@ -60,6 +60,7 @@ __all__ = [
     "load_bench_dir",
     "newest_bench_dir",
     "predict",
+    "write_bench_dir",
 ]
 
 # design.md (measured 2026-12-02): pause + reload + reset + resume of a ~100k-parameter model.
@@ -454,3 +455,44 @@ def calibrate(path: str | Path, loo: bool = True) -> CalibrationReport:
             held_out = [r for r in runs if r.seed == seed]
             out_of_sample += predict(fit(rest, source=str(path)), held_out)
     return CalibrationReport(calibration, predictions, out_of_sample)
+
+
+def write_bench_dir(results: Sequence[SimResult], path: str | Path, task: str = "repeat") -> Path:
+    """Write simulated runs as a bench e2e directory (`{mode}-seed{N}/config.toml`,
+    `metrics.jsonl`, `summary.json`), the format `load_bench_dir` reads: a calibration can be
+    checked against a simulator whose models are known."""
+    root = Path(path)
+    for result in results:
+        config = result.config
+        run_dir = root / f"{config.mode}-seed{config.seed}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        settings = {
+            "task": task,
+            "mode": config.mode,
+            "seed": config.seed,
+            "steps": config.steps,
+            "batch_size": config.batch_size,
+            "group_size": config.group_size,
+            "max_staleness": config.max_staleness,
+            "pacing": config.pacing,
+            "partial_rollout": config.partial_rollout,
+            "pause_mode": config.pause_mode,
+            "max_concurrency": config.max_concurrency,
+            "max_tokens": config.lengths.max_tokens,
+            "rollout_replicas": config.replicas,
+            "sync_every": config.sync_every,
+        }
+        (run_dir / "config.toml").write_text(
+            "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
+        )
+        lines = []
+        for record in result.records:
+            row = dict(record)
+            step_s = float(row["trainer/step_s"])
+            row["tokens/s"] = float(row.pop("trainer/tokens")) / step_s if step_s > 0 else 0.0
+            lines.append(json.dumps(row))
+        (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        (run_dir / "summary.json").write_text(
+            json.dumps({"steps": result.steps, "train_wall_s": result.wall_s})
+        )
+    return root

@@ -95,8 +95,8 @@ class TrainerModel:
     checkpoint_every: int = 0
     checkpoint_s: float = 0.0
     background_push: bool = True
-    # Relative spread of a step's time (a normal factor, clipped at +-3 sigma): the noise
-    # of a real machine. 0: every step costs exactly the model.
+    # Relative spread of a step's time (a normal factor, clipped at +-3 sigma and at 0.1x):
+    # the noise of a real machine. 0: every step costs exactly the model.
     jitter: float = 0.0
 
     def __post_init__(self) -> None:

@@ -397,6 +397,7 @@ async def simulate_async(config: SimConfig, *, keep_events: int = 0) -> SimResul
             await asyncio.sleep(config.trainer_start_s)
         await trainer.run()
     finally:
+        await trainer.abandon()
         for handle in handles:
             await handle.rollouter.stop()
         stats = await asyncio.gather(*runs, return_exceptions=True)

@@ -199,7 +199,8 @@ class SimTrainer:
             step_s = model.step_time(tokens * self._scale, sq_tokens * self._scale)
             step_s = step_s / self._speedup
             if model.jitter > 0:
-                step_s *= 1.0 + model.jitter * max(-3.0, min(3.0, self._rng.gauss(0.0, 1.0)))
+                noise = model.jitter * max(-3.0, min(3.0, self._rng.gauss(0.0, 1.0)))
+                step_s *= max(0.1, 1.0 + noise)
             await self._contention.work(step_s)
             await self._contention.work(model.export_s)
             self.step += 1
@@ -225,7 +226,7 @@ class SimTrainer:
                     "step": self.step,
                     "trainer/step_s": step_s,
                     "trainer/wait_s": wait_s,
-                    "trainer/idle_ratio": wait_s / (now - iteration_start),
+                    "trainer/idle_ratio": wait_s / max(now - iteration_start, 1e-12),
                     "trainer/version": self.version,
                     "trainer/tokens": tokens * self._scale,
                     "trainer/samples": round(sum(len(i.group) for i in items) * self._scale),
@@ -283,6 +284,13 @@ class SimTrainer:
         await asyncio.gather(*(r.update_weights(version) for r in self._replicas))
         self._last_push_s = loop.time() - started
         self.pushes += 1
+
+    async def abandon(self) -> None:
+        """After a failure: end the push in flight (cancelled), if any."""
+        task, self._push_task = self._push_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task})
 
     async def _finish_push(self) -> None:
         task, self._push_task = self._push_task, None
