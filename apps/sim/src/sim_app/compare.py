@@ -70,6 +70,7 @@ def table_rows(results: Sequence[tuple[Variant, SimResult]]) -> list[dict[str, A
                 "tokens/s": round(s["tokens_per_s"]),
                 "staleness mean": round(s["staleness_mean"], 2),
                 "staleness hist": "/".join(str(n) for n in s["staleness_hist"]),
+                "dropped": s["dropped"],
                 "trainer idle": round(s["trainer_idle_ratio"], 3),
                 "rollout idle": round(s["rollout_idle_ratio"], 3),
                 "engine busy": round(s["engine_busy_ratio"], 3),
