@@ -145,7 +145,8 @@ def run(quick: bool, steps: int | None = None, calibration: str | None = None) -
         }
         for v, r in results
     }
-    rows += [{"part": "gpu 64:64", **row} for row in table_rows(results)]
+    keep = ("variant", "s / version", "staleness mean", "dropped", "trainer idle", "rollout idle")
+    rows += [{"part": "gpu", **{k: row[k] for k in keep}} for row in table_rows(results)]
 
     worst = max(
         figures.get("calibration_rel_error_sync", 0.0),
