@@ -340,12 +340,12 @@ def fit(runs: Sequence[MeasuredRun], source: str = "", correct: bool = True) -> 
         rows_async = [(r.tokens(rec), rec) for r in asyn for rec in r.records[1:]]
         model_steps = _mean([step_a + step_b * t for t, _ in rows_async if t > 0])
         measured_steps = _mean([float(rec["trainer/step_s"]) for _, rec in rows_async])
-        if model_steps > 0:
-            trainer_factor = max(1.0, measured_steps / model_steps)
+        if model_steps > 0 and measured_steps > 0:
+            trainer_factor = measured_steps / model_steps
         busy_async = _mean([_busy_per_step(r) for r in asyn], math.nan)
         busy_sync = _mean([_busy_per_step(r) for r in sync], math.nan)
         if math.isfinite(busy_async) and math.isfinite(busy_sync) and busy_sync > 0:
-            engine_factor = min(3.0, max(1.0, busy_async / busy_sync))
+            engine_factor = min(3.0, max(0.5, busy_async / busy_sync))
     base = base.with_(
         contention=Contention(
             async_trainer_factor=round(trainer_factor, 4),

@@ -123,7 +123,7 @@ class Contention:
     same moment, the step runs that many times slower, and decoding too. `async_trainer_factor`
     / `async_engine_factor`: every step / decode iteration of an async run costs that many
     times the sync run's (what a calibration on a shared machine measures: the async trainer
-    runs next to a live rollouter, queue and engine whatever the moment).
+    runs next to a live rollouter, queue and engine whatever the moment; a fit may find < 1).
     """
 
     trainer_factor: float = 1.0
@@ -133,8 +133,8 @@ class Contention:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if getattr(self, f.name) < 1.0:
-                raise ValueError(f"Contention.{f.name} is a slowdown: >= 1.0")
+            if getattr(self, f.name) <= 0.0:
+                raise ValueError(f"Contention.{f.name} is a cost factor: > 0")
 
     @property
     def enabled(self) -> bool:
