@@ -28,6 +28,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "trainer": ("bench_app.trainer_bench", "tokens/s: PPOTrainer vs a minimal torch loop"),
     "e2e": ("bench_app.e2e_bench", "time to reward 0.7: async vs its sync mode, 3 seeds"),
     "study": ("bench_app.study_bench", "time to 0.7 over k x pacing x correction, 3 seeds each"),
+    "sim": (
+        "bench_app.sim_bench",
+        "simulator: calibration error vs e2e, 10k steps CPU time, 64:64 GPUs at 7B",
+    ),
 }
 
 
@@ -65,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="e2e: extra `apps/train` options for every run, e.g. '--pacing eager'",
     )
+    parser.add_argument(
+        "--calibration",
+        help="sim: a runs/bench-e2e-* directory to calibrate on (default: the newest one "
+        "under runs/, else the built-in constants measured on this machine)",
+    )
     args = parser.parse_args(argv)
     if args.list or not args.name:
         for name, (_, description) in BENCHES.items():
@@ -77,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(BENCHES[args.name][0])
-    options = {"seeds": args.seeds, "steps": args.steps, "app_args": shlex.split(args.app_args)}
+    options = {
+        "seeds": args.seeds,
+        "steps": args.steps,
+        "app_args": shlex.split(args.app_args),
+        "calibration": args.calibration,
+    }
     options = {k: v for k, v in options.items() if v}
     accepted = inspect.signature(module.run).parameters
     refused = sorted(set(options) - set(accepted))
