@@ -28,7 +28,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any, Self
+from typing import Any, NoReturn, Self
 
 import ray
 from ray.actor import ActorHandle
@@ -231,10 +231,7 @@ class MessageQueueClient:
         try:
             return await ref
         except RayTaskError as exc:
-            own = _own_error(exc)
-            if own is None:
-                raise
-            raise own from None
+            _raise_own_error(exc)
         except asyncio.CancelledError:
             _cancel(ref)  # best effort: stop a put still waiting for room in the actor
             raise
@@ -246,10 +243,7 @@ class MessageQueueClient:
         try:
             return await ref
         except RayTaskError as exc:
-            own = _own_error(exc)
-            if own is None:
-                raise
-            raise own from None
+            _raise_own_error(exc)
         except asyncio.CancelledError:
             hand_back = asyncio.ensure_future(_hand_back(self._actor, ref, ticket))
             _HANDING_BACK.add(hand_back)
@@ -375,10 +369,7 @@ class SyncMessageQueueClient:
         try:
             return ray.get(method.remote(*args))
         except RayTaskError as exc:
-            own = _own_error(exc)
-            if own is None:
-                raise
-            raise own from None
+            _raise_own_error(exc)
 
     def _take(self, name: str, method: Any, *args: Any) -> list[_wire.WireItem]:
         """A get whose items survive Ctrl-C (KeyboardInterrupt) like the async client's."""
@@ -388,10 +379,7 @@ class SyncMessageQueueClient:
         try:
             return ray.get(ref)
         except RayTaskError as exc:
-            own = _own_error(exc)
-            if own is None:
-                raise
-            raise own from None
+            _raise_own_error(exc)
         except KeyboardInterrupt:
             ray.get(self._actor.abandon.remote(ticket), timeout=_SYNC_HAND_BACK_S)
             try:
@@ -435,3 +423,11 @@ def _forbid_running_loop(method_name: str) -> None:
         f"`await MessageQueueClient.{method_name}(...)` (async_queue.MessageQueueClient, "
         f"e.g. `sync_client.to_async()`)."
     )
+
+
+def _raise_own_error(exc: RayTaskError) -> NoReturn:
+    """Re-raise the queue's own error carried by a Ray task error, else the Ray error."""
+    own = _own_error(exc)
+    if own is None:
+        raise exc
+    raise own from None
