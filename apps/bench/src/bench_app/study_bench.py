@@ -26,10 +26,6 @@ GRID: dict[str, tuple[str, tuple[str, ...]]] = {
     "k=4 eager": ("async", ("--max-staleness", "4", "--pacing", "eager")),
     "k=2 fresh": ("async", ("--max-staleness", "2", "--pacing", "fresh")),
     "k=4 fresh": ("async", ("--max-staleness", "4", "--pacing", "fresh")),
-    "k=2 eager, no IS correction": (
-        "async",
-        ("--max-staleness", "2", "--pacing", "eager", "--no-behaviour-logprobs"),
-    ),
 }
 QUICK_GRID = ("sync (k=0)", "k=2 fresh")
 
