@@ -35,6 +35,8 @@ def test_config_is_frozen_and_validated() -> None:
         {"value_lr": -1.0},
         {"checkpoint_every": 2},  # needs checkpoint_dir
         {"max_staleness": -1},
+        {"is_level": "word"},
+        {"is_mode": "clip"},
     ):
         with pytest.raises(ValueError):
             PPOConfig(**bad)  # type: ignore[arg-type]
@@ -42,6 +44,7 @@ def test_config_is_frozen_and_validated() -> None:
     PPOConfig(loss_agg="seq-mean-token-sum-norm", loss_agg_horizon=8)
     PPOConfig(loss_agg="token-sum", kl_estimator="abs")
     PPOConfig(kl_clamp=True, kl_estimator="k3", advantage="gae", value_clip=None)
+    PPOConfig(is_level="sequence", is_mode="mask")
 
 
 def test_bad_values_get_a_clear_message() -> None:

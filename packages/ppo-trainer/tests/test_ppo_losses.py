@@ -166,6 +166,60 @@ def test_decoupled_truncated_importance_weights() -> None:
     assert m["is_capped_frac"].item() == pytest.approx(0.25)
 
 
+def test_masked_importance_weights_drop_extreme_tokens() -> None:
+    prox = torch.zeros(1, 4)
+    # w = [1, 2, 4, 0.25]; cap 3 masks 4 (> 3) and 0.25 (< 1/3) instead of truncating
+    behav = -_log([1.0, 2.0, 4.0, 0.25])
+    logp = _log([1.0, 1.0, 1.1, 0.9])
+    adv = torch.tensor([[1.0, -1.0, 1.0, 2.0]])
+    loss, m = policy_loss(
+        logp, prox, adv, torch.ones(1, 4), behav_logp=behav, is_cap=3.0, is_mode="mask"
+    )
+    # tokens: -1*1*1, +1*1*2, masked, masked; token-mean still divides by all 4 tokens
+    assert loss.item() == pytest.approx((-1.0 + 2.0) / 4, abs=1e-6)
+    assert m["is_masked_frac"].item() == pytest.approx(0.5)
+    assert m["is_capped_frac"].item() == 0.0
+    assert m["is_weight_max"].item() == pytest.approx(2.0)
+
+
+def test_sequence_level_importance_weight_is_the_product_over_the_response() -> None:
+    prox = torch.zeros(2, 3)
+    # row 0: token ratios 2, 1.5, (padding) -> sequence weight 3 on both response tokens
+    # row 1: token ratios 0.5, 0.5, 0.5 -> 0.125, truncation only caps from above
+    behav = -torch.log(torch.tensor([[2.0, 1.5, 7.0], [0.5, 0.5, 0.5]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    logp = torch.zeros(2, 3)
+    adv = torch.ones(2, 3)
+    loss, m = policy_loss(logp, prox, adv, mask, behav_logp=behav, is_cap=5.0, is_level="sequence")
+    assert loss.item() == pytest.approx(-(3 + 3 + 3 * 0.125) / 5, abs=1e-6)
+    assert m["is_weight_max"].item() == pytest.approx(3.0, abs=1e-6)
+    capped, _ = policy_loss(
+        logp, prox, adv, mask, behav_logp=behav, is_cap=2.0, is_level="sequence"
+    )
+    assert capped.item() == pytest.approx(-(2 + 2 + 3 * 0.125) / 5, abs=1e-6)
+    masked, mm = policy_loss(
+        logp,
+        prox,
+        adv,
+        mask,
+        behav_logp=behav,
+        is_cap=2.0,
+        is_level="sequence",
+        is_mode="mask",
+    )
+    # both sequences fall outside [1/2, 2]: nothing is left
+    assert masked.item() == 0.0
+    assert mm["is_masked_frac"].item() == pytest.approx(1.0)
+
+
+def test_unknown_importance_options_are_rejected() -> None:
+    ones = torch.ones(1, 2)
+    with pytest.raises(ValueError, match="is_level"):
+        policy_loss(ones, ones, ones, ones, behav_logp=ones, is_level="word")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="is_mode"):
+        policy_loss(ones, ones, ones, ones, behav_logp=ones, is_mode="clip")  # type: ignore[arg-type]
+
+
 def test_importance_weights_are_detached() -> None:
     prox = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     behav = torch.tensor([[-1.5, -2.5]])

@@ -70,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         help="e2e: extra `apps/train` options for every run, e.g. '--pacing eager'",
     )
     parser.add_argument(
+        "--settings",
+        default="",
+        help="study: comma-separated settings to run (default: the whole grid)",
+    )
+    parser.add_argument(
         "--calibration",
         help="sim: a runs/bench-e2e-* directory to calibrate on (default: the newest one "
         "under runs/, else the built-in constants measured on this machine)",
@@ -91,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "app_args": shlex.split(args.app_args),
         "calibration": args.calibration,
+        "grid": [name for name in args.settings.split(",") if name],
     }
     options = {k: v for k, v in options.items() if v}
     accepted = inspect.signature(module.run).parameters

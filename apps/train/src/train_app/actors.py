@@ -235,6 +235,8 @@ class TrainerSpec:
     ppo_epochs: int
     clip_eps: float
     is_cap: float
+    is_level: str
+    is_mode: str
     temperature: float
     seed: int
     checkpoint_every: int
@@ -302,6 +304,8 @@ class TrainerActor:
             advantage=spec.advantage,  # type: ignore[arg-type]
             clip_eps=spec.clip_eps,
             is_cap=spec.is_cap,
+            is_level=spec.is_level,  # type: ignore[arg-type]  # validated by PPOConfig
+            is_mode=spec.is_mode,  # type: ignore[arg-type]
             temperature=spec.temperature,
             total_steps=spec.steps,
             sync_every=spec.sync_every,

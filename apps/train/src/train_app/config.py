@@ -100,6 +100,13 @@ class TrainConfig:
     is_cap: float = 5.0
     """Cap of the truncated importance weight (behaviour -> proximal policy)."""
 
+    is_level: Literal["token", "sequence"] = "token"
+    """Importance weight per `token`, or per `sequence` (the product of its token ratios)."""
+
+    is_mode: Literal["truncate", "mask"] = "truncate"
+    """A weight beyond `is-cap` is truncated to it, or `mask`ed out of the loss (with those
+    below 1 / is-cap); see the off-policy study in packages/ppo-trainer/README.md."""
+
     seed: int = 0
     """Seed for the model init, prompts and sampling."""
 

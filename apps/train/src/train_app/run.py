@@ -368,6 +368,8 @@ class _Session:
                 ppo_epochs=c.ppo_epochs,
                 clip_eps=c.clip_eps,
                 is_cap=c.is_cap,
+                is_level=c.is_level,
+                is_mode=c.is_mode,
                 temperature=c.temperature,
                 seed=c.seed,
                 checkpoint_every=c.checkpoint_every,

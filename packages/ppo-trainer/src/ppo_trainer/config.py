@@ -7,9 +7,13 @@ from typing import Literal
 
 __all__ = [
     "ADVANTAGE_MODES",
+    "IS_LEVELS",
+    "IS_MODES",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "AdvantageMode",
+    "ISLevel",
+    "ISMode",
     "KLEstimator",
     "LRSchedule",
     "LossAgg",
@@ -26,6 +30,8 @@ LossAgg = Literal[
 AdvantageMode = Literal["grpo", "rloo", "gae"]
 KLEstimator = Literal["k1", "k2", "k3", "abs"]
 LRSchedule = Literal["constant", "linear", "cosine"]
+ISLevel = Literal["token", "sequence"]
+ISMode = Literal["truncate", "mask"]
 
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
@@ -36,6 +42,8 @@ LOSS_AGG_MODES: tuple[str, ...] = (
 )
 ADVANTAGE_MODES: tuple[str, ...] = ("grpo", "rloo", "gae")
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
+IS_LEVELS: tuple[str, ...] = ("token", "sequence")
+IS_MODES: tuple[str, ...] = ("truncate", "mask")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +96,12 @@ class PPOConfig:
     """Dual-clip constant c > 1: for A < 0 the loss is bounded by -c * A. None: off."""
     is_cap: float | None = 2.0
     """Cap of the truncated importance weight exp(prox_logp - behav_logp). None: no cap."""
+    is_level: ISLevel = "token"
+    """Importance weight per "token" or per "sequence" (the product of its tokens' ratios,
+    applied to all of them)."""
+    is_mode: ISMode = "truncate"
+    """What happens to a weight beyond `is_cap`: "truncate" it to the cap, or "mask" the
+    token (or sequence) out of the loss; "mask" also drops weights below 1 / is_cap."""
     use_behaviour_logprobs: bool = True
     """Decoupled PPO: weight each token by the (truncated) proximal/behaviour ratio."""
     temperature: float = 1.0
@@ -195,6 +209,8 @@ class PPOConfig:
             ("loss_agg", LOSS_AGG_MODES),
             ("advantage", ADVANTAGE_MODES),
             ("kl_estimator", KL_ESTIMATORS),
+            ("is_level", IS_LEVELS),
+            ("is_mode", IS_MODES),
             ("lr_schedule", ("constant", "linear", "cosine")),
         ):
             if getattr(self, name) not in allowed:

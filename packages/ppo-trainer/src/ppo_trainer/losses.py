@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ppo_trainer.config import KLEstimator, LossAgg
+from ppo_trainer.config import IS_LEVELS, IS_MODES, ISLevel, ISMode, KLEstimator, LossAgg
 
 __all__ = [
     "KL_CLAMP",
@@ -159,6 +159,8 @@ def policy_loss(
     clip_eps_high: float | None = None,
     dual_clip: float | None = None,
     is_cap: float | None = None,
+    is_level: ISLevel = "token",
+    is_mode: ISMode = "truncate",
     loss_agg: LossAgg = "token-mean",
     num_tokens: float | None = None,
     num_seqs: float | None = None,
@@ -175,7 +177,14 @@ def policy_loss(
 
     `prox_logp` is the proximal policy (the trainer's current weights before this step's
     updates, recomputed without gradient); `behav_logp` is the engine's (behaviour) policy.
-    Without `behav_logp` w = 1 (plain PPO with `prox_logp` as the old policy). The clamps
+    Without `behav_logp` w = 1 (plain PPO with `prox_logp` as the old policy).
+
+    `is_level="sequence"` uses one weight per sequence, the product of its tokens' ratios
+    (log w = sum over the response of prox_logp - behav_logp, clamped like above), on every
+    token of it. `is_mode="mask"` drops (weight 0) the tokens, or sequences, whose weight
+    lies outside [1 / is_cap, is_cap] instead of truncating it to is_cap: a sample the
+    behaviour policy made far too likely or unlikely then teaches nothing rather than
+    something biased. The clamps
     keep `exp` finite (a log-ratio of 25 is treated as 20); masked positions are selected
     away before anything is computed on them, so NaN/inf there reach neither the loss nor
     the gradient.
@@ -184,8 +193,13 @@ def policy_loss(
     i.e. -A*clip(r) > -A*r), `dual_clipfrac`, `approx_kl` = mean(clamp((r - 1) - log r,
     max=10)) (the k3 estimate of KL(prox || current), clamped per token like `kl_clamp`),
     `ppo_kl` = mean(-log r) (the k1 estimate, verl's `ppo_kl`), `is_weight_mean`,
-    `is_weight_max`, `is_capped_frac`, `ratio_mean`.
+    `is_weight_max` (after truncation or masking), `is_capped_frac` (truncated),
+    `is_masked_frac` (masked), `ratio_mean`.
     """
+    if is_level not in IS_LEVELS:
+        raise ValueError(f"unknown is_level {is_level!r}; choose from {IS_LEVELS}")
+    if is_mode not in IS_MODES:
+        raise ValueError(f"unknown is_mode {is_mode!r}; choose from {IS_MODES}")
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     valid = mask.bool()
     zeros = torch.zeros_like(logp)
@@ -208,11 +222,17 @@ def policy_loss(
         weight = torch.ones_like(logp)
     else:
         log_w = torch.where(valid, prox_logp.detach() - behav_logp.detach(), zeros)
+        if is_level == "sequence":
+            log_w = log_w.sum(dim=-1, keepdim=True).expand_as(log_w)
         weight = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     capped = torch.zeros_like(is_clipped)
-    if is_cap is not None:
-        capped = weight > is_cap
+    masked = torch.zeros_like(is_clipped)
+    if is_cap is not None and is_mode == "truncate":
+        capped = valid & (weight > is_cap)
         weight = weight.clamp(max=is_cap)
+    elif is_cap is not None:
+        masked = valid & ((weight > is_cap) | (weight < 1.0 / is_cap))
+        weight = torch.where(masked, zeros, weight)
     weight = weight.detach()
     token_loss = token_loss * weight
 
@@ -230,6 +250,7 @@ def policy_loss(
             "is_weight_mean": masked_mean(weight, mask),
             "is_weight_max": weight[valid].max() if valid.any() else weight.new_tensor(0.0),
             "is_capped_frac": masked_mean(capped.float(), mask),
+            "is_masked_frac": masked_mean(masked.float(), mask),
             "ratio_mean": masked_mean(ratio.detach(), mask),
         }
     return loss, metrics

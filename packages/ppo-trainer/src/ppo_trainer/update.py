@@ -41,6 +41,7 @@ _TOKEN_METRICS = (
     "ppo_kl",
     "is_weight_mean",
     "is_capped_frac",
+    "is_masked_frac",
     "ratio_mean",
     "entropy",
     "kl_ref",
@@ -223,6 +224,8 @@ class PolicyUpdater:
             clip_eps_high=cfg.clip_eps_high,
             dual_clip=cfg.dual_clip,
             is_cap=cfg.is_cap,
+            is_level=cfg.is_level,
+            is_mode=cfg.is_mode,
             loss_agg=cfg.loss_agg,
             **agg,
         )
