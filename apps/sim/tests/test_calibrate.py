@@ -16,14 +16,22 @@ from sim_app.presets import load_preset
 
 
 def test_built_in_preset_predicts_its_measured_walls_within_10_percent() -> None:
-    """this-machine was fitted to runs/bench-e2e-7xlh1h44 (1 seed, 120 steps); the simulated
-    train walls must be within 10 % of the measured ones. Two runs of 120 steps: ~1 s."""
+    """this-machine was fitted to a quiet 3-seed e2e bench (160 steps); per mode, the mean
+    simulated train wall over those seeds must be within 10 % of the mean measured one.
+    (Per seed the real async walls spread +-16 % around their mean for identical settings,
+    more than a deterministic model can follow; see the README.) Six runs: ~3 s."""
     preset = load_preset("this-machine")
     measured = preset.measured
+    assert len(measured["seeds"]) >= 3
     for mode in ("sync", "async"):
-        for seed, wall in zip(measured["seeds"], measured[f"{mode}_wall_s"], strict=True):
-            result = simulate(preset.config.with_(mode=mode, seed=seed, steps=measured["steps"]))
-            assert abs(result.wall_s - wall) / wall < 0.10, (mode, result.wall_s, wall)
+        walls = measured[f"{mode}_wall_s"]
+        simulated = [
+            simulate(preset.config.with_(mode=mode, seed=seed, steps=measured["steps"])).wall_s
+            for seed in measured["seeds"]
+        ]
+        mean_measured = sum(walls) / len(walls)
+        mean_simulated = sum(simulated) / len(simulated)
+        assert abs(mean_simulated - mean_measured) / mean_measured < 0.10, (mode, simulated, walls)
 
 
 @pytest.fixture(scope="module")
