@@ -24,6 +24,7 @@ def test_every_setting_parses_as_app_options(setting: str) -> None:
         assert config.pacing == setting.split("-")[1]
     assert (config.is_level == "sequence") == ("seq-is" in setting)
     assert (config.is_mode == "mask") == ("mask-is" in setting)
+    assert config.partial_rollout == setting.endswith("-partial")
 
 
 def test_quick_grid_is_part_of_the_grid() -> None:

@@ -20,7 +20,8 @@ from bench_app.e2e_bench import TARGET, RunFigures, _round, _run_app
 from bench_app.report import BenchReport
 
 # setting -> (mode, app options). k = 0 is the sync mode; the rest differ from the app's
-# defaults (k = 2, fresh pacing, token-level truncated IS with cap 5) in what the name says.
+# defaults (k = 2, fresh pacing, token-level truncated IS with cap 5, no partial rollout) in
+# what the name says.
 GRID: dict[str, tuple[str, tuple[str, ...]]] = {
     "sync": ("sync", ()),
     "k1-fresh": ("async", ("--max-staleness", "1")),
@@ -31,6 +32,7 @@ GRID: dict[str, tuple[str, tuple[str, ...]]] = {
     "k4-eager": ("async", ("--max-staleness", "4", "--pacing", "eager")),
     "k2-fresh-seq-is": ("async", ("--is-level", "sequence")),
     "k2-fresh-mask-is": ("async", ("--is-mode", "mask")),
+    "k2-fresh-partial": ("async", ("--partial-rollout",)),
 }
 QUICK_GRID = ("sync", "k2-fresh")
 

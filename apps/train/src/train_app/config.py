@@ -56,8 +56,12 @@ class TrainConfig:
     sync_every: int = 1
     """Trainer steps between weight pushes (each push is one new policy version)."""
 
-    partial_rollout: bool = True
-    """Keep generating across a weight push (pause/resume in vLLM) instead of waiting for it."""
+    partial_rollout: bool = False
+    """Keep generating across a weight push (pause in-flight requests in vLLM, load, resume)
+    instead of letting them finish before the load. Off by default: with this app's short
+    responses a mid-batch pause costs more than the wait (async 1.71x vs 1.28x sync's speed,
+    `uv run apps/bench e2e`, 3 seeds); turn it on for long, uneven responses, where waiting for
+    the slowest one idles the engine (see apps/sim's GPU-scale study)."""
 
     pause_mode: Literal["keep", "abort"] = "keep"
     """How vLLM pauses in-flight requests during a push (abort: resubmit the rest later)."""
