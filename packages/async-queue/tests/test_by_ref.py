@@ -111,8 +111,13 @@ async def test_by_ref_items_survive_a_producer_that_exits() -> None:
         except ray.exceptions.RayActorError:
             break
         await asyncio.sleep(0.1)
-    with pytest.raises(ray.exceptions.RayError):  # the control: its owner is gone
-        await asyncio.wait_for(own_ref, WAIT)
+    # The control: an object the producer owned is lost once Ray notices its owner died
+    # (~1-2 s here); by then, producer-owned payloads would be lost from the queue too.
+    deadline = time.monotonic() + WAIT
+    with pytest.raises(ray.exceptions.OwnerDiedError):
+        while time.monotonic() < deadline:
+            await asyncio.wait_for(own_ref, WAIT)
+            await asyncio.sleep(0.2)
     got = await asyncio.wait_for(client.get_batch(4, min_items=4), WAIT)
     assert got == items
     ray.kill(client.handle)

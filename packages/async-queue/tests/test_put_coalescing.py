@@ -53,7 +53,8 @@ async def _ids(client: MessageQueueClient, n: int) -> list[str]:
 async def test_concurrent_puts_coalesce_into_few_calls_in_order() -> None:
     """200 concurrent puts: all return, every item is queued once, in call order, in far
     fewer than 200 actor calls (~1 s)."""
-    handle = CountingHandle(MessageQueueClient.create(maxsize=512).handle)
+    real = MessageQueueClient.create(maxsize=512).handle
+    handle = CountingHandle(real)
     client = MessageQueueClient(handle)  # type: ignore[arg-type]
     await client.size()
     await asyncio.wait_for(asyncio.gather(*(client.put(_item(i)) for i in range(200))), WAIT)
@@ -65,13 +66,14 @@ async def test_concurrent_puts_coalesce_into_few_calls_in_order() -> None:
     for i in range(3):
         await client.put(_item(1000 + i))
     assert handle.put_each_calls[-3:] == [1, 1, 1]
-    ray.kill(client.handle)
+    ray.kill(real)
 
 
 async def test_each_coalesced_put_gets_its_own_outcome() -> None:
     """Policy reject, room for 5, 8 concurrent puts: 5 return, 3 raise QueueFull (each its own
     instance), where one put_many of 8 would have refused all. After close: all QueueClosed."""
-    handle = CountingHandle(MessageQueueClient.create(maxsize=5, policy="reject").handle)
+    real = MessageQueueClient.create(maxsize=5, policy="reject").handle
+    handle = CountingHandle(real)
     client = MessageQueueClient(handle)  # type: ignore[arg-type]
     await client.size()
     results = await asyncio.gather(
@@ -91,16 +93,20 @@ async def test_each_coalesced_put_gets_its_own_outcome() -> None:
         *(client.put(_item(i)) for i in range(4)), return_exceptions=True
     )
     assert [type(r) for r in results] == [QueueClosed] * 4
-    ray.kill(client.handle)
+    ray.kill(real)
 
 
 async def test_a_put_returns_only_once_its_item_is_queued() -> None:
     """Policy block, room for 2, 6 concurrent puts: none returns while its item waits for
     room; as a consumer makes room they all return, items in order (~2 s)."""
     client = MessageQueueClient.create(maxsize=2, policy="block")
+    await client.size()  # the actor is up
     puts = [asyncio.create_task(client.put(_item(i))) for i in range(6)]
-    await asyncio.sleep(0.5)
-    stats = await client.stats()
+    for _ in range(500):  # until the call waits for room in the actor
+        stats = await client.stats()
+        if stats.waiting_producers:
+            break
+        await asyncio.sleep(0.01)
     assert stats.size == 2
     assert stats.waiting_producers == 1
     done = [p.done() for p in puts]
@@ -120,7 +126,10 @@ async def test_cancelled_callers_neither_lose_nor_double_the_others_items() -> N
     client = MessageQueueClient.create(maxsize=2, policy="block")
     await client.put_many([_item(100), _item(101)])  # full
     first = asyncio.create_task(client.put(_item(0)))
-    await asyncio.sleep(0.5)  # in flight, waiting for room in the actor
+    for _ in range(500):  # until it is in flight, waiting for room in the actor
+        if (await client.stats()).waiting_producers == 1:
+            break
+        await asyncio.sleep(0.01)
     assert (await client.stats()).waiting_producers == 1
     behind = {i: asyncio.create_task(client.put(_item(i))) for i in range(1, 6)}
     await asyncio.sleep(0.1)
