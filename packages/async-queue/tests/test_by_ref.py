@@ -94,6 +94,16 @@ async def test_large_payloads_travel_by_reference_and_come_back_equal() -> None:
     assert copy.by_ref_bytes == 10
     with pytest.raises(ValueError):
         MessageQueueClient(client.handle, by_ref_bytes=0)
+    with pytest.raises(ValueError):
+        MessageQueueClient(client.handle, by_ref_owner="trainer")
+    # Producer-owned: no re-owning copy, same values back; the flag travels with the item.
+    producer_owned = MessageQueueClient(client.handle, by_ref_owner="producer")
+    assert pickle.loads(pickle.dumps(producer_owned)).by_ref_owner == "producer"
+    await producer_owned.put(items[4])
+    raw = await client.handle.get_batch.remote(1, None, 1, None, None)
+    assert raw[0].adopt is False
+    await client.handle.requeue.remote(raw)
+    assert await client.get() == items[4]
     ray.kill(client.handle)
 
 

@@ -35,11 +35,13 @@ import ray
 from async_queue.types import QueueItem, QueueStats
 
 __all__ = [
+    "BY_REF_OWNERS",
     "DEFAULT_BY_REF_BYTES",
     "LARGE_PAYLOAD_BYTES",
     "ByRef",
     "RawItem",
     "WireItem",
+    "adopt_for_owner",
     "check_by_ref_bytes",
     "decode_stats",
     "encode_stats",
@@ -68,6 +70,7 @@ class ByRef(NamedTuple):
     version: int
     header: bytes
     ref: ray.ObjectRef
+    adopt: bool = True  # the queue actor re-owns the payload (by_ref_owner "queue")
 
 
 WireItem = bytes | QueueItem | ByRef
@@ -92,6 +95,16 @@ _decode_stats = msgspec.msgpack.Decoder(QueueStats).decode
 _decode_version = msgspec.msgpack.Decoder(_VersionOnly).decode
 
 
+BY_REF_OWNERS = ("queue", "producer")
+
+
+def adopt_for_owner(by_ref_owner: str) -> bool:
+    """Validate a client's `by_ref_owner`; True when the queue actor must re-own payloads."""
+    if by_ref_owner not in BY_REF_OWNERS:
+        raise ValueError(f"by_ref_owner must be one of {BY_REF_OWNERS}, got {by_ref_owner!r}")
+    return by_ref_owner == "queue"
+
+
 def check_by_ref_bytes(by_ref_bytes: int | None) -> int | None:
     """Validate a client's threshold (None: never by reference)."""
     if by_ref_bytes is not None and by_ref_bytes < 1:
@@ -104,19 +117,21 @@ def needs_object_store(items: Iterable[QueueItem], by_ref_bytes: int | None) -> 
     return by_ref_bytes is not None and any(len(i.payload) >= by_ref_bytes for i in items)
 
 
-def to_wire(items: Iterable[QueueItem], by_ref_bytes: int | None) -> list[WireItem]:
+def to_wire(
+    items: Iterable[QueueItem], by_ref_bytes: int | None, adopt: bool = True
+) -> list[WireItem]:
     """Client side, put: each item as bytes, as itself, or by reference (see the module doc).
 
     Blocking when an item goes by reference (`ray.put`); async callers run it in a thread."""
-    return [_to_wire_one(item, by_ref_bytes) for item in items]
+    return [_to_wire_one(item, by_ref_bytes, adopt) for item in items]
 
 
-def _to_wire_one(item: QueueItem, by_ref_bytes: int | None) -> WireItem:
+def _to_wire_one(item: QueueItem, by_ref_bytes: int | None, adopt: bool) -> WireItem:
     size = len(item.payload)
     if by_ref_bytes is not None and size >= by_ref_bytes:
         header = _encode(msgspec.structs.replace(item, payload=b""))
         # Out of band: written once into the object store, mapped (not copied) by readers.
-        return ByRef(item.version, header, ray.put(pickle.PickleBuffer(item.payload)))
+        return ByRef(item.version, header, ray.put(pickle.PickleBuffer(item.payload)), adopt)
     return item if size >= LARGE_PAYLOAD_BYTES else _encode(item)
 
 

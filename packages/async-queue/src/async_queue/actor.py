@@ -87,7 +87,7 @@ class QueueActor:
 
     async def _adopt(self, elements: list[_wire.WireItem]) -> list[_wire.WireItem]:
         """Re-own the by-ref payloads among `elements` (see the module doc)."""
-        positions = [i for i, e in enumerate(elements) if isinstance(e, _wire.ByRef)]
+        positions = [i for i, e in enumerate(elements) if isinstance(e, _wire.ByRef) and e.adopt]
         if not positions or self._queue.closed:  # closed: the put fails; copy nothing
             return elements
         if self._adopter is None:
@@ -101,7 +101,8 @@ class QueueActor:
             raise
         adopted = list(elements)
         for i, ref in zip(positions, refs, strict=False):
-            adopted[i] = elements[i]._replace(ref=ref)  # type: ignore[union-attr]
+            # Marked adopted, so that a requeue or a later hop never copies it again.
+            adopted[i] = elements[i]._replace(ref=ref, adopt=False)  # type: ignore[union-attr]
         return adopted
 
     async def get(

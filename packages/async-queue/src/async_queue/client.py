@@ -190,6 +190,8 @@ class MessageQueueClient:
 
     `by_ref_bytes` (default `DEFAULT_BY_REF_BYTES`, 64 KiB; None: never): payloads at least
     this large travel through Ray's object store by reference (module doc, README).
+    `by_ref_owner`: "queue" (default: the queue actor re-owns them, they survive a producer
+    that exits) or "producer" (one copy less; lost with the producer).
     Concurrent `put`s coalesce into one actor call (module doc).
 
     Signals: `QueueClosed` (closed and drained / put after close), `ProducerFailed` (a
@@ -198,11 +200,17 @@ class MessageQueueClient:
     No method returns None in place of an item.
     """
 
-    __slots__ = ("_actor", "_batcher", "_by_ref_bytes")
+    __slots__ = ("_actor", "_adopt", "_batcher", "_by_ref_bytes")
 
-    def __init__(self, actor: ActorHandle, by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES) -> None:
+    def __init__(
+        self,
+        actor: ActorHandle,
+        by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
+        by_ref_owner: str = "queue",
+    ) -> None:
         self._actor = actor
         self._by_ref_bytes = _wire.check_by_ref_bytes(by_ref_bytes)
+        self._adopt = _wire.adopt_for_owner(by_ref_owner)
         self._batcher: _PutBatcher | None = None
 
     @classmethod
@@ -218,6 +226,7 @@ class MessageQueueClient:
         max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
         actor_options: dict[str, Any] | None = None,
         by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
+        by_ref_owner: str = "queue",
     ) -> Self:
         """Start a queue actor (see `start_queue_actor`) and return a client of it.
 
@@ -233,7 +242,7 @@ class MessageQueueClient:
             max_concurrency=max_concurrency,
             actor_options=actor_options,
         )
-        return cls(handle, by_ref_bytes)
+        return cls(handle, by_ref_bytes, by_ref_owner)
 
     @classmethod
     async def connect(
@@ -242,11 +251,12 @@ class MessageQueueClient:
         namespace: str | None = None,
         *,
         by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
+        by_ref_owner: str = "queue",
     ) -> Self:
         """Client of the named queue actor. The lookup is a synchronous GCS call, so it runs
         in a worker thread to keep this loop free."""
         handle = await asyncio.to_thread(ray.get_actor, name, namespace)
-        return cls(handle, by_ref_bytes)
+        return cls(handle, by_ref_bytes, by_ref_owner)
 
     @property
     def handle(self) -> ActorHandle:
@@ -258,12 +268,18 @@ class MessageQueueClient:
         """Payloads of at least this many bytes go by reference (None: never)."""
         return self._by_ref_bytes
 
+    @property
+    def by_ref_owner(self) -> str:
+        """Who owns by-ref payloads: "queue" (the default; they survive their producer) or
+        "producer" (one copy less; lost if the producer exits before they are consumed)."""
+        return "queue" if self._adopt else "producer"
+
     def to_sync(self) -> SyncMessageQueueClient:
         """A synchronous client of the same actor (for threads without a running loop)."""
-        return SyncMessageQueueClient(self._actor, self._by_ref_bytes)
+        return SyncMessageQueueClient(self._actor, self._by_ref_bytes, self.by_ref_owner)
 
-    def __reduce__(self) -> tuple[type[MessageQueueClient], tuple[ActorHandle, int | None]]:
-        return (type(self), (self._actor, self._by_ref_bytes))
+    def __reduce__(self) -> tuple[type[MessageQueueClient], tuple[ActorHandle, int | None, str]]:
+        return (type(self), (self._actor, self._by_ref_bytes, self.by_ref_owner))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._actor!r})"
@@ -345,7 +361,7 @@ class MessageQueueClient:
     async def _to_wire(self, items: Sequence[QueueItem]) -> list[_wire.WireItem]:
         if _wire.needs_object_store(items, self._by_ref_bytes):
             # ray.put copies the payloads into the object store: not on this loop.
-            return await asyncio.to_thread(_wire.to_wire, items, self._by_ref_bytes)
+            return await asyncio.to_thread(_wire.to_wire, items, self._by_ref_bytes, self._adopt)
         return _wire.to_wire(items, None)
 
     @staticmethod
@@ -399,11 +415,17 @@ class SyncMessageQueueClient:
     of blocking that loop: use `MessageQueueClient` there.
     """
 
-    __slots__ = ("_actor", "_by_ref_bytes")
+    __slots__ = ("_actor", "_adopt", "_by_ref_bytes")
 
-    def __init__(self, actor: ActorHandle, by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES) -> None:
+    def __init__(
+        self,
+        actor: ActorHandle,
+        by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
+        by_ref_owner: str = "queue",
+    ) -> None:
         self._actor = actor
         self._by_ref_bytes = _wire.check_by_ref_bytes(by_ref_bytes)
+        self._adopt = _wire.adopt_for_owner(by_ref_owner)
 
     @classmethod
     def create(
@@ -418,6 +440,7 @@ class SyncMessageQueueClient:
         max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
         actor_options: dict[str, Any] | None = None,
         by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
+        by_ref_owner: str = "queue",
     ) -> Self:
         """Start a queue actor; same arguments as `MessageQueueClient.create`."""
         handle = start_queue_actor(
@@ -430,7 +453,7 @@ class SyncMessageQueueClient:
             max_concurrency=max_concurrency,
             actor_options=actor_options,
         )
-        return cls(handle, by_ref_bytes)
+        return cls(handle, by_ref_bytes, by_ref_owner)
 
     @classmethod
     def connect(
@@ -439,9 +462,10 @@ class SyncMessageQueueClient:
         namespace: str | None = None,
         *,
         by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
+        by_ref_owner: str = "queue",
     ) -> Self:
         _forbid_running_loop("connect")
-        return cls(ray.get_actor(name, namespace), by_ref_bytes)
+        return cls(ray.get_actor(name, namespace), by_ref_bytes, by_ref_owner)
 
     @property
     def handle(self) -> ActorHandle:
@@ -451,11 +475,17 @@ class SyncMessageQueueClient:
     def by_ref_bytes(self) -> int | None:
         return self._by_ref_bytes
 
-    def to_async(self) -> MessageQueueClient:
-        return MessageQueueClient(self._actor, self._by_ref_bytes)
+    @property
+    def by_ref_owner(self) -> str:
+        return "queue" if self._adopt else "producer"
 
-    def __reduce__(self) -> tuple[type[SyncMessageQueueClient], tuple[ActorHandle, int | None]]:
-        return (type(self), (self._actor, self._by_ref_bytes))
+    def to_async(self) -> MessageQueueClient:
+        return MessageQueueClient(self._actor, self._by_ref_bytes, self.by_ref_owner)
+
+    def __reduce__(
+        self,
+    ) -> tuple[type[SyncMessageQueueClient], tuple[ActorHandle, int | None, str]]:
+        return (type(self), (self._actor, self._by_ref_bytes, self.by_ref_owner))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._actor!r})"
@@ -514,7 +544,7 @@ class SyncMessageQueueClient:
 
     def _to_wire(self, name: str, items: Sequence[QueueItem]) -> list[_wire.WireItem]:
         _forbid_running_loop(name)  # before any ray.put
-        return _wire.to_wire(items, self._by_ref_bytes)
+        return _wire.to_wire(items, self._by_ref_bytes, self._adopt)
 
     @staticmethod
     def _call(name: str, method: Any, *args: Any) -> Any:
