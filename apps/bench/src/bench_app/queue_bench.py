@@ -1,25 +1,33 @@
 """Queue actor vs `ray.util.queue.Queue`: items/s and put-to-get latency, same run, same work.
 
-One producer actor and one consumer actor move N `QueueItem`s (1 KiB and 256 KiB payloads)
-through each queue, one item per call and in batches. Throughput is
+One producer actor and one consumer actor move N `QueueItem`s (1 KiB, 256 KiB and 4 MiB
+payloads) through each queue, one item per put call and in batches. Throughput is
 `N / (consumer's last receive - producer's start)`; latency is `receive time - produced_at`
 per item (one clock: all actors run on this machine). Both queues are bounded by the same
-`maxsize`, so latency includes the time an item waits in a full queue.
+`maxsize`, so latency includes the time an item waits in a full queue. Items of 64 KiB and
+more go through async_queue by reference (its default `by_ref_bytes`); ray's queue passes
+everything by value. After the 4 MiB case (1 GiB through each queue) each queue actor reports
+its peak RSS (VmHWM).
 
 How each side is driven (its natural API, and the baseline's best use of it):
-- async_queue: async actors, `await client.put/put_many`, `await client.get/get_batch(n)`;
+- async_queue: async actors, `await client.put/put_many`, `await client.get_batch(n)`;
   a full queue makes the producer wait inside the actor, an empty one the consumer.
-- ray.util.queue.Queue, single: async actors, `await q.put_async(item)` / `q.get_async()`.
+- ray.util.queue.Queue, single: an async producer actor, `await q.put_async(item)`.
 - ray.util.queue.Queue, batched: its batch calls are synchronous (`put_nowait_batch`,
   `get_nowait_batch`), so they run in plain (threaded) actors. The producer retries after
   1 ms when the batch does not fit (`Full`). The consumer first tries `get_nowait_batch(n)`
   (one call when there is a backlog); on `Empty` it blocks in `get()` for one item, then takes
   `min(qsize, n - 1)` more.
+- "single" cases measure single-item puts the way a rollouter makes them: `SINGLE_WINDOW`
+  generation tasks each put one item at a time, concurrently, through one client (async_queue
+  coalesces them into few actor calls). Both consumers take batches of up to 64 (the
+  trainer's pattern; ray's queue with the batch consumer above), so the puts are measured.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import statistics
@@ -35,7 +43,11 @@ __all__ = ["run"]
 
 TARGET_ITEMS_S = 5_000.0  # batched 1 KiB through the actor
 TARGET_RATIO = 3.0  # vs ray.util.queue.Queue doing the same
+TARGET_RATIO_4M = 2.0  # batched 4 MiB (by reference) vs ray.util.queue.Queue
+TARGET_RSS_MB = 150.0  # the queue actor's peak RSS after 1 GiB of 4 MiB items
 RETRY_S = 0.001  # ray queue producer back-off when a batch does not fit
+SINGLE_WINDOW = 64  # concurrent single puts in the "single" cases
+SINGLE_CONSUMER_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -47,16 +59,34 @@ class Case:
     items: int
     maxsize: int
     rounds: int = 1
+    # async_queue's by_ref_owner. "producer" cases run async_queue only and compare with the
+    # ray queue's row of the same case (ray's queue has no such choice).
+    owner: str = "queue"
 
     @property
     def label(self) -> str:
-        size = f"{self.payload_bytes // 1024} KiB"
-        return f"{size} {'batched x' + str(self.batch) if self.batch > 1 else 'single'}"
+        kib = self.payload_bytes // 1024
+        size = f"{kib // 1024} MiB" if kib >= 1024 else f"{kib} KiB"
+        mode = f"batched x{self.batch}" if self.batch > 1 else f"single x{SINGLE_WINDOW} tasks"
+        owned = " producer-owned" if self.owner == "producer" else ""
+        return f"{size} {mode}{owned}"
+
+    @property
+    def baseline_label(self) -> str:
+        """The ray queue row this case is compared with."""
+        return dataclasses.replace(self, owner="queue").label
 
     @property
     def key(self) -> str:
         mode = "batched" if self.batch > 1 else "single"
-        return f"{mode}_{self.payload_bytes // 1024}k"
+        kib = self.payload_bytes // 1024
+        key = f"{mode}_{kib // 1024}m" if kib >= 1024 else f"{mode}_{kib}k"
+        return f"{key}_producer_owned" if self.owner == "producer" else key
+
+    @property
+    def get_batch(self) -> int:
+        """How many items the consumer takes per call."""
+        return self.batch if self.batch > 1 else SINGLE_CONSUMER_BATCH
 
 
 @dataclass(frozen=True)
@@ -75,12 +105,27 @@ def _cases(quick: bool) -> list[Case]:
         return max(int(count * scale), 50)
 
     # 64 x 1 KiB keeps each call under Ray's 100 KiB inline limit (bigger goes via plasma).
+    # 4 MiB: 256 items = 1 GiB through each queue (the RSS figure is for that much).
     return [
         Case(payload_bytes=1024, batch=64, items=n(8_000), maxsize=512, rounds=3),
-        Case(payload_bytes=1024, batch=1, items=n(1_000), maxsize=512),
-        Case(payload_bytes=256 * 1024, batch=8, items=n(600), maxsize=32),
+        Case(payload_bytes=1024, batch=1, items=n(4_000), maxsize=512),
+        Case(payload_bytes=256 * 1024, batch=8, items=n(400), maxsize=32),
         Case(payload_bytes=256 * 1024, batch=1, items=n(200), maxsize=32),
+        Case(payload_bytes=4 * 2**20, batch=8, items=256 if not quick else 64, maxsize=32),
+        Case(
+            payload_bytes=4 * 2**20,
+            batch=8,
+            items=128 if not quick else 64,
+            maxsize=32,
+            owner="producer",
+        ),
     ]
+
+
+def _payloads(case: Case) -> list[bytes]:
+    """Distinct payloads, at least two batches' worth: a batch that repeated one bytes object
+    would be pickled once (pickle's memo), which flatters by-value queues unrealistically."""
+    return [os.urandom(case.payload_bytes) for _ in range(max(2 * case.batch, 16))]
 
 
 def _define_contenders() -> dict[str, Contender]:
@@ -89,24 +134,39 @@ def _define_contenders() -> dict[str, Contender]:
     from async_queue import MessageQueueClient, QueueItem
     from ray.util.queue import Empty, Full, Queue
 
-    def make_batch(payload: bytes, start: int, count: int) -> list[QueueItem]:
+    def make_batch(payloads: list[bytes], start: int, count: int) -> list[QueueItem]:
         now = time.time()
         return [
-            QueueItem(payload=payload, version=0, sample_id=str(i), produced_at=now)
+            QueueItem(
+                payload=payloads[i % len(payloads)], version=0, sample_id=str(i), produced_at=now
+            )
             for i in range(start, start + count)
         ]
+
+    async def put_concurrently(
+        put: Callable[[QueueItem], Any], payload: list[bytes], case: Case
+    ) -> None:
+        """`SINGLE_WINDOW` tasks, each putting one item at a time (a rollouter's pattern)."""
+        serials = iter(range(case.items))
+
+        async def task() -> None:
+            for serial in serials:
+                await put(make_batch(payload, serial, 1)[0])
+
+        await asyncio.gather(*(task() for _ in range(SINGLE_WINDOW)))
 
     @ray.remote(num_cpus=0)
     class AsyncQueueProducer:
         async def run(self, queue: MessageQueueClient, case: Case) -> float:
-            payload = os.urandom(case.payload_bytes)
+            payload = _payloads(case)
             started = time.time()
+            if case.batch == 1:
+                await put_concurrently(queue.put, payload, case)
+                return started
             for start in range(0, case.items, case.batch):
-                batch = make_batch(payload, start, min(case.batch, case.items - start))
-                if case.batch == 1:
-                    await queue.put(batch[0])
-                else:
-                    await queue.put_many(batch)
+                await queue.put_many(
+                    make_batch(payload, start, min(case.batch, case.items - start))
+                )
             return started
 
     @ray.remote(num_cpus=0)
@@ -114,10 +174,7 @@ def _define_contenders() -> dict[str, Contender]:
         async def run(self, queue: MessageQueueClient, case: Case) -> tuple[float, list[float]]:
             latencies: list[float] = []
             while len(latencies) < case.items:
-                if case.batch == 1:
-                    items = [await queue.get()]
-                else:
-                    items = await queue.get_batch(case.batch)
+                items = await queue.get_batch(case.get_batch)
                 now = time.time()
                 latencies.extend(now - item.produced_at for item in items)
             return time.time(), latencies
@@ -125,25 +182,15 @@ def _define_contenders() -> dict[str, Contender]:
     @ray.remote(num_cpus=0)
     class RayQueueAsyncProducer:
         async def run(self, queue: Queue, case: Case) -> float:
-            payload = os.urandom(case.payload_bytes)
+            payload = _payloads(case)
             started = time.time()
-            for start in range(case.items):
-                await queue.put_async(make_batch(payload, start, 1)[0])
+            await put_concurrently(queue.put_async, payload, case)
             return started
-
-    @ray.remote(num_cpus=0)
-    class RayQueueAsyncConsumer:
-        async def run(self, queue: Queue, case: Case) -> tuple[float, list[float]]:
-            latencies: list[float] = []
-            while len(latencies) < case.items:
-                item = await queue.get_async()
-                latencies.append(time.time() - item.produced_at)
-            return time.time(), latencies
 
     @ray.remote(num_cpus=0)
     class RayQueueBatchProducer:
         def run(self, queue: Queue, case: Case) -> float:
-            payload = os.urandom(case.payload_bytes)
+            payload = _payloads(case)
             started = time.time()
             for start in range(0, case.items, case.batch):
                 batch = make_batch(payload, start, min(case.batch, case.items - start))
@@ -160,7 +207,7 @@ def _define_contenders() -> dict[str, Contender]:
         def run(self, queue: Queue, case: Case) -> tuple[float, list[float]]:
             latencies: list[float] = []
             while len(latencies) < case.items:
-                want = min(case.batch, case.items - len(latencies))
+                want = min(case.get_batch, case.items - len(latencies))
                 try:  # a backlog: one call takes a whole batch
                     items = queue.get_nowait_batch(want)
                 except Empty:  # fewer than `want`: block for one, then take what is there
@@ -174,13 +221,15 @@ def _define_contenders() -> dict[str, Contender]:
 
     return {
         "async_queue": Contender(
-            make_queue=lambda case: MessageQueueClient.create(maxsize=case.maxsize),
+            make_queue=lambda case: MessageQueueClient.create(
+                maxsize=case.maxsize, by_ref_owner=case.owner
+            ),
             single=(AsyncQueueProducer, AsyncQueueConsumer),
             batched=(AsyncQueueProducer, AsyncQueueConsumer),
         ),
         "ray_queue": Contender(
             make_queue=lambda case: Queue(maxsize=case.maxsize),
-            single=(RayQueueAsyncProducer, RayQueueAsyncConsumer),
+            single=(RayQueueAsyncProducer, RayQueueBatchConsumer),
             batched=(RayQueueBatchProducer, RayQueueBatchConsumer),
         ),
     }
@@ -189,7 +238,7 @@ def _define_contenders() -> dict[str, Contender]:
 async def _measure(name: str, contender: Contender, case: Case) -> dict[str, Any]:
     """One run: fresh queue and actors, all warmed up before the clock starts."""
     import ray
-    from async_queue import MessageQueueClient
+    from async_queue import MessageQueueClient, QueueItem
 
     producer_cls, consumer_cls = contender.single if case.batch == 1 else contender.batched
     queue = contender.make_queue(case)
@@ -201,11 +250,23 @@ async def _measure(name: str, contender: Contender, case: Case) -> dict[str, Any
         queue_handle = queue.actor
         await queue_handle.qsize.remote()
     await asyncio.gather(producer.__ray_ready__.remote(), consumer.__ray_ready__.remote())
+    # One item through each queue first: one-time start-up (async_queue starts its payload
+    # helper on the first by-ref put) stays out of the timed run.
+    warm = QueueItem(payload=os.urandom(case.payload_bytes), version=0, sample_id="warm-up")
+    if isinstance(queue, MessageQueueClient):
+        await queue.put(warm)
+        await queue.get()
+    else:
+        await queue.put_async(warm)
+        await queue.get_async()
 
     consumer_ref = consumer.run.remote(queue, case)
     started = await producer.run.remote(queue, case)
     finished, latencies = await consumer_ref
     elapsed = finished - started
+    # The same probe in both queue actors: ray's cannot be given a method, so both run it
+    # through __ray_call__ (async_queue's own `actor_memory()` reads the same numbers).
+    peak_rss = await queue_handle.__ray_call__.remote(_peak_rss_bytes)
     for handle in (producer, consumer, queue_handle):
         ray.kill(handle)
     latencies.sort()
@@ -219,7 +280,17 @@ async def _measure(name: str, contender: Contender, case: Case) -> dict[str, Any
         "p50 ms": 1e3 * statistics.median(latencies),
         "p99 ms": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
         "wall s": elapsed,
+        "actor peak RSS MB": peak_rss / 2**20,
     }
+
+
+def _peak_rss_bytes(_actor: Any) -> int:
+    """Runs inside a queue actor: its process's peak resident set (VmHWM), in bytes."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 async def _run_all(cases: list[Case]) -> list[dict[str, Any]]:
@@ -228,9 +299,10 @@ async def _run_all(cases: list[Case]) -> list[dict[str, Any]]:
     contenders = _define_contenders()
     rows: list[dict[str, Any]] = []
     for case in cases:
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
+        names = ["async_queue"] if case.owner != "queue" else list(contenders)
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
         for round_index in range(case.rounds):
-            order = list(contenders)
+            order = list(names)
             if round_index % 2:
                 order.reverse()
             for name in order:
@@ -246,20 +318,43 @@ def _figures(cases: list[Case], rows: list[dict[str, Any]], quick: bool) -> dict
     by_case = {(row["queue"], row["case"]): row for row in rows}
     for case in cases:
         ours = by_case[("async_queue", case.label)]
-        theirs = by_case[("ray_queue", case.label)]
+        theirs = by_case[("ray_queue", case.baseline_label)]
         ratio = ours["items/s"] / theirs["items/s"]
         ours["vs ray queue"] = f"{ratio:.2f}x"
         figures[f"{case.key}_items_s"] = round(ours["items/s"], 1)
-        figures[f"ray_queue_{case.key}_items_s"] = round(theirs["items/s"], 1)
         figures[f"ratio_{case.key}"] = round(ratio, 2)
+        if case.owner != "queue":
+            figures[f"{case.key}_p50_ms"] = round(ours["p50 ms"], 2)
+            figures[f"{case.key}_p99_ms"] = round(ours["p99 ms"], 2)
+            continue
+        figures[f"ray_queue_{case.key}_items_s"] = round(theirs["items/s"], 1)
         for who, row in (("", ours), ("ray_queue_", theirs)):
             figures[f"{who}{case.key}_p50_ms"] = round(row["p50 ms"], 2)
             figures[f"{who}{case.key}_p99_ms"] = round(row["p99 ms"], 2)
+    big = max((c for c in cases if c.owner == "queue"), key=lambda case: case.payload_bytes)
+    ours, theirs = by_case[("async_queue", big.label)], by_case[("ray_queue", big.label)]
+    figures["passed_through_mib"] = big.items * big.payload_bytes // 2**20
+    figures["actor_peak_rss_mb"] = round(ours["actor peak RSS MB"], 1)
+    figures["ray_queue_actor_peak_rss_mb"] = round(theirs["actor peak RSS MB"], 1)
     figures["target_items_s"] = TARGET_ITEMS_S
     figures["target_ratio"] = TARGET_RATIO
+    figures["target_ratio_batched_4m"] = TARGET_RATIO_4M
+    figures["target_actor_peak_rss_mb"] = TARGET_RSS_MB
     figures["met_items_s"] = figures["batched_1k_items_s"] >= TARGET_ITEMS_S
     figures["met_ratio"] = figures["ratio_batched_1k"] >= TARGET_RATIO
-    figures["met"] = figures["met_items_s"] and figures["met_ratio"]
+    figures["met_ratio_single_1k"] = figures["ratio_single_1k"] >= TARGET_RATIO
+    figures["met_ratio_batched_4m"] = figures[f"ratio_{big.key}"] >= TARGET_RATIO_4M
+    figures["met_actor_peak_rss"] = figures["actor_peak_rss_mb"] < TARGET_RSS_MB
+    figures["met"] = all(
+        figures[key]
+        for key in (
+            "met_items_s",
+            "met_ratio",
+            "met_ratio_single_1k",
+            "met_ratio_batched_4m",
+            "met_actor_peak_rss",
+        )
+    )
     return figures
 
 
@@ -284,6 +379,19 @@ def run(quick: bool) -> BenchReport:
         "ray.util.queue.Queue; met: items/s "
         f"{figures['met_items_s']}, ratio {figures['met_ratio']} "
         f"({figures['ratio_batched_1k']}x)",
+        f"target: single 1 KiB >= {TARGET_RATIO:g}x: {figures['met_ratio_single_1k']} "
+        f"({figures['ratio_single_1k']}x); batched 4 MiB >= {TARGET_RATIO_4M:g}x: "
+        f"{figures['met_ratio_batched_4m']} ({figures.get('ratio_batched_4m')}x; producer-owned "
+        f"{figures.get('ratio_batched_4m_producer_owned')}x); queue actor "
+        f"peak RSS < {TARGET_RSS_MB:g} MB after {figures['passed_through_mib']} MiB: "
+        f"{figures['met_actor_peak_rss']} ({figures['actor_peak_rss_mb']} MB; ray's queue "
+        f"actor: {figures['ray_queue_actor_peak_rss_mb']} MB)",
+        f"single: {SINGLE_WINDOW} concurrent tasks put one item each at a time through one "
+        f"client; both consumers take up to {SINGLE_CONSUMER_BATCH} per call",
+        "async_queue sends payloads of >= 64 KiB by reference (object store); ray's queue "
+        "by value. By default the queue actor re-owns each one (one more copy, so it "
+        "survives its producer); 'producer-owned' rows skip that (by_ref_owner='producer') "
+        "and are compared with the same ray queue row",
         "latency = receive time - produced_at; both queues have the same maxsize, so it "
         "includes time waiting in a full queue",
         f"ray queue batched: producer retries after {RETRY_S * 1e3:g} ms on Full; consumer "

@@ -33,9 +33,14 @@ from async_queue.types import (
 
 if TYPE_CHECKING:
     from async_queue.actor import QueueActor, start_queue_actor
-    from async_queue.client import MessageQueueClient, SyncMessageQueueClient
+    from async_queue.client import (
+        DEFAULT_BY_REF_BYTES,
+        MessageQueueClient,
+        SyncMessageQueueClient,
+    )
 
 __all__ = [
+    "DEFAULT_BY_REF_BYTES",
     "DROP_REASON_OVERFLOW",
     "DROP_REASON_PRODUCER_FAILED",
     "DROP_REASON_STALE",
@@ -59,6 +64,7 @@ __all__ = [
 
 # Ray-dependent names -> the module that defines them (imported on first attribute access).
 _LAZY = {
+    "DEFAULT_BY_REF_BYTES": "async_queue.client",
     "MessageQueueClient": "async_queue.client",
     "SyncMessageQueueClient": "async_queue.client",
     "QueueActor": "async_queue.actor",

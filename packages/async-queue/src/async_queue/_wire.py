@@ -1,14 +1,21 @@
 """What crosses the actor boundary, and its codecs.
 
-A batch travels as one list in one Ray call. Each element is one item, in one of two forms
+A batch travels as one list in one Ray call. Each element is one item, in one of three forms
 chosen by payload size (measured on this machine's Ray, CPU per item summed over the caller,
 the actor and the raylet):
 
 - payload < `LARGE_PAYLOAD_BYTES`: the item's msgspec msgpack encoding (`bytes`). For small
   items this is cheaper than letting Ray pickle each struct (1 KiB: ~39 vs ~55 us per item
   for a put + get round trip of 64).
-- payload >= `LARGE_PAYLOAD_BYTES`: the `QueueItem` itself, which Ray pickles. This copies the
-  payload fewer times than encoding it first (256 KiB: ~1.1 vs ~2.2 ms per item).
+- `LARGE_PAYLOAD_BYTES` <= payload < the client's `by_ref_bytes` (default
+  `DEFAULT_BY_REF_BYTES`): the `QueueItem` itself, which Ray pickles. This copies the payload
+  fewer times than encoding it first (256 KiB: ~1.1 vs ~2.2 ms per item).
+- payload >= `by_ref_bytes`: a `ByRef`: the version, the item without its payload (encoded),
+  and an `ObjectRef` of the payload, which the producing client `ray.put` as an out-of-band
+  pickle buffer (one copy into the object store; readers map it without copying). The ref is
+  nested in the argument list, so Ray hands it to the actor as a ref and never fetches the
+  payload there; the actor re-owns it (see `actor.QueueActor.put_many`) and hands the same
+  kind of element back from `get_batch`; the consuming client awaits the ref.
 
 The actor never decodes payloads: it reads only each item's `version` (for an encoded item,
 msgspec skips the payload bytes without copying them) and hands the same elements back from
@@ -17,27 +24,56 @@ msgspec skips the payload bytes without copying them) and hands the same element
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import NamedTuple
+import asyncio
+import pickle
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 import msgspec
+import ray
 
 from async_queue.types import QueueItem, QueueStats
 
 __all__ = [
+    "BY_REF_OWNERS",
+    "DEFAULT_BY_REF_BYTES",
     "LARGE_PAYLOAD_BYTES",
+    "ByRef",
     "RawItem",
     "WireItem",
+    "adopt_for_owner",
+    "check_by_ref_bytes",
     "decode_stats",
     "encode_stats",
     "from_wire",
+    "from_wire_blocking",
+    "needs_object_store",
+    "resolve",
     "to_raw_items",
     "to_wire",
 ]
 
 LARGE_PAYLOAD_BYTES = 8 * 1024
+# Payloads of at least this many bytes travel through Ray's object store by reference. 64 KiB:
+# below it a by-value item is one cheap inline argument; above it every by-value copy
+# (caller -> actor heap -> reply -> consumer) costs more than the ref's bookkeeping.
+DEFAULT_BY_REF_BYTES = 64 * 1024
 
-WireItem = bytes | QueueItem
+
+class ByRef(NamedTuple):
+    """A by-reference item on the wire: what the actor needs plus a ref of the payload.
+
+    `header` is the msgpack encoding of the item with an empty payload; `ref` holds the
+    payload as a pickle buffer. Nested in a list, the ref is not resolved by Ray when the
+    list is a call argument or return value."""
+
+    version: int
+    header: bytes
+    ref: ray.ObjectRef
+    adopt: bool = True  # the queue actor re-owns the payload (by_ref_owner "queue")
+
+
+WireItem = bytes | QueueItem | ByRef
 
 
 class RawItem(NamedTuple):
@@ -59,20 +95,91 @@ _decode_stats = msgspec.msgpack.Decoder(QueueStats).decode
 _decode_version = msgspec.msgpack.Decoder(_VersionOnly).decode
 
 
-def to_wire(items: Iterable[QueueItem]) -> list[WireItem]:
-    """Client side, put: each item as bytes (small payload) or as itself (large payload)."""
-    return [item if len(item.payload) >= LARGE_PAYLOAD_BYTES else _encode(item) for item in items]
+BY_REF_OWNERS = ("queue", "producer")
+
+
+def adopt_for_owner(by_ref_owner: str) -> bool:
+    """Validate a client's `by_ref_owner`; True when the queue actor must re-own payloads."""
+    if by_ref_owner not in BY_REF_OWNERS:
+        raise ValueError(f"by_ref_owner must be one of {BY_REF_OWNERS}, got {by_ref_owner!r}")
+    return by_ref_owner == "queue"
+
+
+def check_by_ref_bytes(by_ref_bytes: int | None) -> int | None:
+    """Validate a client's threshold (None: never by reference)."""
+    if by_ref_bytes is not None and by_ref_bytes < 1:
+        raise ValueError(f"by_ref_bytes must be >= 1 or None, got {by_ref_bytes}")
+    return by_ref_bytes
+
+
+def needs_object_store(items: Iterable[QueueItem], by_ref_bytes: int | None) -> bool:
+    """Whether `to_wire` would `ray.put` (a synchronous copy: async callers run it off-loop)."""
+    return by_ref_bytes is not None and any(len(i.payload) >= by_ref_bytes for i in items)
+
+
+def to_wire(
+    items: Iterable[QueueItem], by_ref_bytes: int | None, adopt: bool = True
+) -> list[WireItem]:
+    """Client side, put: each item as bytes, as itself, or by reference (see the module doc).
+
+    Blocking when an item goes by reference (`ray.put`); async callers run it in a thread."""
+    return [_to_wire_one(item, by_ref_bytes, adopt) for item in items]
+
+
+def _to_wire_one(item: QueueItem, by_ref_bytes: int | None, adopt: bool) -> WireItem:
+    size = len(item.payload)
+    if by_ref_bytes is not None and size >= by_ref_bytes:
+        header = _encode(msgspec.structs.replace(item, payload=b""))
+        # Out of band: written once into the object store, mapped (not copied) by readers.
+        return ByRef(item.version, header, ray.put(pickle.PickleBuffer(item.payload)), adopt)
+    return item if size >= LARGE_PAYLOAD_BYTES else _encode(item)
+
+
+def _refs(elements: Sequence[WireItem]) -> list[ray.ObjectRef]:
+    return [e.ref for e in elements if isinstance(e, ByRef)]
+
+
+def _build(elements: Sequence[WireItem], payloads: Sequence[Any]) -> list[QueueItem]:
+    fetched = iter(payloads)
+    items: list[QueueItem] = []
+    for e in elements:
+        if isinstance(e, QueueItem):
+            items.append(e)
+        elif isinstance(e, ByRef):
+            # bytes(...) is the one copy out of the object store; the mapping is released
+            # with the fetched buffer, and the object once every ref to it is gone.
+            payload = bytes(next(fetched))
+            items.append(msgspec.structs.replace(_decode_item(e.header), payload=payload))
+        else:
+            items.append(_decode_item(e))
+    return items
 
 
 def from_wire(elements: list[WireItem]) -> list[QueueItem]:
-    """Client side, get: back to `QueueItem`s."""
-    return [e if isinstance(e, QueueItem) else _decode_item(e) for e in elements]
+    """Client side, get, for elements without refs: back to `QueueItem`s."""
+    return _build(elements, ())
+
+
+async def resolve(elements: list[WireItem]) -> list[QueueItem]:
+    """Client side, get (async): back to `QueueItem`s, awaiting the refs of by-ref payloads.
+
+    Without refs it returns without suspending (so a caller has no extra cancel point)."""
+    refs = _refs(elements)
+    if not refs:
+        return _build(elements, ())
+    return _build(elements, await asyncio.gather(*refs))
+
+
+def from_wire_blocking(elements: list[WireItem]) -> list[QueueItem]:
+    """Client side, get (sync client only): fetches by-ref payloads with `ray.get`."""
+    refs = _refs(elements)
+    return _build(elements, ray.get(refs) if refs else ())
 
 
 def to_raw_items(elements: list[WireItem]) -> list[RawItem]:
     """Actor side: (version, wire form) per item, without decoding payloads."""
     return [
-        RawItem(e.version if isinstance(e, QueueItem) else _decode_version(e).version, e)
+        RawItem(e.version if isinstance(e, QueueItem | ByRef) else _decode_version(e).version, e)
         for e in elements
     ]
 

@@ -8,6 +8,14 @@ producer.
 
 A get carries a `ticket` (a client-made id) so that its caller can abandon it: see
 `QueueActor.abandon` and the client's module doc for how a cancelled get never loses items.
+
+By-reference payloads (`_wire.ByRef`, put by the producing client) are re-owned by this actor
+before they are queued: a small helper actor (`PayloadAdopter`, started by this actor on first
+use, on its node) returns each payload as a new object, and the owner of a call's return
+values is its caller, i.e. this actor. The producer's own object is freed when its put
+returns, so a producer that exits loses nothing it put. (Ray >= 2.56 has no
+`ray.put(..., _owner=)`.) The queue holds only refs; the payload bytes never enter this
+process.
 """
 
 from __future__ import annotations
@@ -15,6 +23,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import pickle
+import resource
+import sys
 from collections import OrderedDict
 from collections.abc import Coroutine
 from typing import Any
@@ -23,10 +35,10 @@ import ray
 
 from async_queue import _wire
 from async_queue.core import MessageQueue
-from async_queue.errors import GetAbandoned, ProducerFailed
+from async_queue.errors import GetAbandoned, ProducerFailed, QueueError
 from async_queue.types import FullPolicy
 
-__all__ = ["DEFAULT_MAX_CONCURRENCY", "QueueActor", "start_queue_actor"]
+__all__ = ["DEFAULT_MAX_CONCURRENCY", "PayloadAdopter", "QueueActor", "start_queue_actor"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +46,17 @@ DEFAULT_MAX_CONCURRENCY = 1000
 # Abandons that found no get of their ticket are remembered (for a get that arrives late);
 # the oldest are forgotten beyond this many.
 _EARLY_ABANDONS_KEPT = 1024
+
+
+class PayloadAdopter:
+    """Returns by-ref payloads as new objects, owned by whoever called `adopt` (the queue
+    actor). It only passes buffers through: Ray maps each argument from the object store
+    without copying and writes each return value once into it."""
+
+    def adopt(self, *payloads: Any) -> tuple[Any, ...]:
+        # The last return value is a small marker: awaiting it tells the caller that every
+        # new object is stored, without fetching any payload into the caller.
+        return (*(pickle.PickleBuffer(p) for p in payloads), len(payloads))
 
 
 class QueueActor:
@@ -45,9 +68,42 @@ class QueueActor:
         self._gets: dict[str, asyncio.Task[list[_wire.RawItem]]] = {}  # ticket -> its get
         self._abandoned: set[str] = set()  # tickets of running gets their caller abandoned
         self._early_abandons: OrderedDict[str, None] = OrderedDict()
+        self._adopter: ray.actor.ActorHandle | None = None
 
     async def put_many(self, elements: list[_wire.WireItem]) -> None:
-        await self._queue.put_many(_wire.to_raw_items(elements))
+        await self._queue.put_many(_wire.to_raw_items(await self._adopt(elements)))
+
+    async def put_each(self, elements: list[_wire.WireItem]) -> list[QueueError | None] | None:
+        """Single puts of several callers, coalesced by one client into one call: each item
+        is enqueued as its own `put` would be (see `MessageQueue.put_each`). Returns None when
+        all were enqueued, else each item's outcome (None or the error for its caller)."""
+        outcomes = await self._queue.put_each(_wire.to_raw_items(await self._adopt(elements)))
+        return outcomes if any(o is not None for o in outcomes) else None
+
+    async def memory(self) -> dict[str, int]:
+        """This actor's process: `pid`, `rss_bytes` (now) and `peak_rss_bytes` (high-water
+        mark), e.g. to check that by-ref payloads stay out of its heap."""
+        return _process_memory()
+
+    async def _adopt(self, elements: list[_wire.WireItem]) -> list[_wire.WireItem]:
+        """Re-own the by-ref payloads among `elements` (see the module doc)."""
+        positions = [i for i, e in enumerate(elements) if isinstance(e, _wire.ByRef) and e.adopt]
+        if not positions or self._queue.closed:  # closed: the put fails; copy nothing
+            return elements
+        if self._adopter is None:
+            self._adopter = _start_adopter()
+        method = self._adopter.adopt.options(num_returns=len(positions) + 1)
+        refs = method.remote(*(elements[i].ref for i in positions))  # type: ignore[union-attr]
+        try:
+            await refs[-1]  # only the marker is fetched; the payloads stay in the store
+        except ray.exceptions.RayActorError:
+            self._adopter = None  # start a new one for the next put
+            raise
+        adopted = list(elements)
+        for i, ref in zip(positions, refs, strict=False):
+            # Marked adopted, so that a requeue or a later hop never copies it again.
+            adopted[i] = elements[i]._replace(ref=ref, adopt=False)  # type: ignore[union-attr]
+        return adopted
 
     async def get(
         self,
@@ -143,6 +199,50 @@ class QueueActor:
 @functools.cache
 def _remote_class() -> Any:
     return ray.remote(QueueActor)
+
+
+@functools.cache
+def _adopter_class() -> Any:
+    return ray.remote(PayloadAdopter)
+
+
+def _start_adopter() -> ray.actor.ActorHandle:
+    """The queue actor's helper, on the queue actor's node when it can (the payload copies
+    then stay local). Started by the queue actor, it dies with it."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    return (
+        _adopter_class()
+        .options(
+            num_cpus=0,
+            max_concurrency=2,
+            max_restarts=-1,
+            max_task_retries=3,  # adopt only copies: safe to retry
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
+        )
+        .remote()
+    )
+
+
+def _process_memory() -> dict[str, int]:
+    fields: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as status:  # Linux: procfs, no disk I/O
+            for line in status:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    fields[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    # ru_maxrss: KiB on Linux, bytes on macOS.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak *= 1 if sys.platform == "darwin" else 1024
+    return {
+        "pid": os.getpid(),
+        "rss_bytes": fields.get("VmRSS", peak),
+        "peak_rss_bytes": fields.get("VmHWM", peak),
+    }
 
 
 def start_queue_actor(

@@ -1,10 +1,23 @@
 """Clients of the queue actor: `MessageQueueClient` (async) and `SyncMessageQueueClient`.
 
-Both are thin and picklable (they hold only the actor handle), so they can be passed to other
-Ray actors and tasks. Each method is one Ray actor call; a batch moves in one call as
-msgpack-encoded items. Exceptions the actor raises arrive wrapped in `RayTaskError`; the
-clients re-raise the package's own `QueueClosed`, `ProducerFailed`, `QueueFull`,
-`QueueTimeout`.
+Both are thin and picklable (they pickle as the actor handle and the by-reference threshold),
+so they can be passed to other Ray actors and tasks. Each method is one Ray actor call; a batch
+moves in one call as msgpack-encoded items. Exceptions the actor raises arrive wrapped in
+`RayTaskError`; the clients re-raise the package's own `QueueClosed`, `ProducerFailed`,
+`QueueFull`, `QueueTimeout`.
+
+Payloads of `by_ref_bytes` (default 64 KiB) or more go by reference: the producing client
+`ray.put`s them (in a worker thread, off the loop), the actor queues only refs (and re-owns
+them, so they survive the producer), and the consuming client awaits the refs (see `_wire`).
+
+Concurrent single `put`s of one async client coalesce: while one call is in flight, the
+items of further `put`s wait in the client and go together in the next call (`put_each`),
+where each is enqueued as its own put would be. Each `put` still returns only once its item
+is queued, and raises its own item's error (`QueueFull`, `QueueClosed`). A caller cancelled
+before its item was sent takes it out (never enqueued); one cancelled while the call is in
+flight leaves it to that call (it may or may not be enqueued, as with any cancelled put);
+the other callers' items are unaffected. A call whose callers were all cancelled is
+`ray.cancel`led.
 
 Timeouts are enforced inside the actor, so a timed-out `get` takes nothing.
 
@@ -27,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any, NoReturn, Self
 
 import ray
@@ -45,12 +58,13 @@ from async_queue.errors import (
 )
 from async_queue.types import FullPolicy, QueueItem, QueueStats
 
-__all__ = ["MessageQueueClient", "SyncMessageQueueClient"]
+__all__ = ["DEFAULT_BY_REF_BYTES", "MessageQueueClient", "SyncMessageQueueClient"]
 
 logger = logging.getLogger(__name__)
 
 # Hand-backs that outlived a second cancellation of their caller (strong references).
 _HANDING_BACK: set[asyncio.Task[None]] = set()
+DEFAULT_BY_REF_BYTES = _wire.DEFAULT_BY_REF_BYTES
 # How long the sync client waits, after Ctrl-C, for the reply of the get it interrupted.
 _SYNC_HAND_BACK_S = 10.0
 
@@ -91,13 +105,94 @@ def _check_batch_args(
     stale_threshold(current_version, max_staleness)
 
 
+class _PutBatcher:
+    """Coalesces the concurrent single puts of one client on one event loop (module doc).
+
+    At most one `put_each` call is in flight; items that arrive meanwhile wait in `_pending`
+    and go together in the next call, in arrival order. Each caller awaits its own future."""
+
+    __slots__ = ("_actor", "_flusher", "_in_flight", "_pending", "loop")
+
+    def __init__(self, actor: ActorHandle, loop: asyncio.AbstractEventLoop) -> None:
+        self._actor = actor
+        self.loop = loop
+        self._pending: list[tuple[_wire.WireItem, asyncio.Future[None]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+        # The call in flight and its callers' futures (to ray.cancel it if all give up).
+        self._in_flight: tuple[ray.ObjectRef, list[asyncio.Future[None]]] | None = None
+
+    async def put(self, element: _wire.WireItem) -> None:
+        future: asyncio.Future[None] = self.loop.create_future()
+        self._pending.append((element, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = self.loop.create_task(self._flush())
+        try:
+            await future
+        except asyncio.CancelledError:
+            # The future is cancelled with its caller: a not yet sent item is skipped below.
+            in_flight = self._in_flight
+            if in_flight is not None and all(f.cancelled() for f in in_flight[1]):
+                _cancel(in_flight[0])  # nobody waits for this call any more
+            raise
+
+    async def _flush(self) -> None:
+        batch: list[tuple[_wire.WireItem, asyncio.Future[None]]] = []
+        try:
+            while self._pending:
+                batch = [(e, f) for e, f in self._pending if not f.done()]
+                self._pending.clear()
+                if not batch:
+                    continue
+                futures = [f for _, f in batch]
+                ref = self._actor.put_each.remote([e for e, _ in batch])
+                self._in_flight = (ref, futures)
+                try:
+                    outcomes = await ref
+                except RayTaskError as exc:
+                    _fail_all(futures, _own_error(exc) or exc)
+                except Exception as exc:  # the actor died, the call was ray.cancelled, ...
+                    _fail_all(futures, exc)
+                else:
+                    for i, future in enumerate(futures):
+                        outcome = None if outcomes is None else outcomes[i]
+                        if future.done():
+                            continue  # its caller was cancelled meanwhile
+                        if outcome is None:
+                            future.set_result(None)
+                        else:
+                            future.set_exception(outcome)
+                finally:
+                    self._in_flight = None
+                batch = []
+        except asyncio.CancelledError:  # the loop is shutting down: nobody gets an answer
+            for _, future in [*batch, *self._pending]:
+                future.cancel()
+            self._pending.clear()
+            raise
+
+
+def _fail_all(futures: list[asyncio.Future[None]], error: BaseException) -> None:
+    for future in futures:
+        if not future.done():
+            # A fresh copy of the queue's own errors per caller (no shared traceback).
+            own = type(error)(*error.args) if isinstance(error, QueueError) else error
+            future.set_exception(own)
+
+
 class MessageQueueClient:
     """Async client of a `QueueActor`; every method is `async` and awaits its Ray call.
 
     Build it with `MessageQueueClient.create(...)` (starts the actor),
     `await MessageQueueClient.connect(name)` (finds a named actor) or
     `MessageQueueClient(handle)`. Pass it to other actors as an argument: it pickles as its
-    handle. `async for item in client` yields items until the queue is closed and drained.
+    handle and `by_ref_bytes`. `async for item in client` yields items until the queue is
+    closed and drained.
+
+    `by_ref_bytes` (default `DEFAULT_BY_REF_BYTES`, 64 KiB; None: never): payloads at least
+    this large travel through Ray's object store by reference (module doc, README).
+    `by_ref_owner`: "queue" (default: the queue actor re-owns them, they survive a producer
+    that exits) or "producer" (one copy less; lost with the producer).
+    Concurrent `put`s coalesce into one actor call (module doc).
 
     Signals: `QueueClosed` (closed and drained / put after close), `ProducerFailed` (a
     producer called `close(error)`; raised at once, queued items are dropped as
@@ -105,10 +200,18 @@ class MessageQueueClient:
     No method returns None in place of an item.
     """
 
-    __slots__ = ("_actor",)
+    __slots__ = ("_actor", "_adopt", "_batcher", "_by_ref_bytes")
 
-    def __init__(self, actor: ActorHandle) -> None:
+    def __init__(
+        self,
+        actor: ActorHandle,
+        by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
+        by_ref_owner: str = "queue",
+    ) -> None:
         self._actor = actor
+        self._by_ref_bytes = _wire.check_by_ref_bytes(by_ref_bytes)
+        self._adopt = _wire.adopt_for_owner(by_ref_owner)
+        self._batcher: _PutBatcher | None = None
 
     @classmethod
     def create(
@@ -122,6 +225,8 @@ class MessageQueueClient:
         get_if_exists: bool = False,
         max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
         actor_options: dict[str, Any] | None = None,
+        by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
+        by_ref_owner: str = "queue",
     ) -> Self:
         """Start a queue actor (see `start_queue_actor`) and return a client of it.
 
@@ -137,26 +242,44 @@ class MessageQueueClient:
             max_concurrency=max_concurrency,
             actor_options=actor_options,
         )
-        return cls(handle)
+        return cls(handle, by_ref_bytes, by_ref_owner)
 
     @classmethod
-    async def connect(cls, name: str, namespace: str | None = None) -> Self:
+    async def connect(
+        cls,
+        name: str,
+        namespace: str | None = None,
+        *,
+        by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
+        by_ref_owner: str = "queue",
+    ) -> Self:
         """Client of the named queue actor. The lookup is a synchronous GCS call, so it runs
         in a worker thread to keep this loop free."""
         handle = await asyncio.to_thread(ray.get_actor, name, namespace)
-        return cls(handle)
+        return cls(handle, by_ref_bytes, by_ref_owner)
 
     @property
     def handle(self) -> ActorHandle:
         """The actor handle (e.g. for `ray.kill`)."""
         return self._actor
 
+    @property
+    def by_ref_bytes(self) -> int | None:
+        """Payloads of at least this many bytes go by reference (None: never)."""
+        return self._by_ref_bytes
+
+    @property
+    def by_ref_owner(self) -> str:
+        """Who owns by-ref payloads: "queue" (the default; they survive their producer) or
+        "producer" (one copy less; lost if the producer exits before they are consumed)."""
+        return "queue" if self._adopt else "producer"
+
     def to_sync(self) -> SyncMessageQueueClient:
         """A synchronous client of the same actor (for threads without a running loop)."""
-        return SyncMessageQueueClient(self._actor)
+        return SyncMessageQueueClient(self._actor, self._by_ref_bytes, self.by_ref_owner)
 
-    def __reduce__(self) -> tuple[type[MessageQueueClient], tuple[ActorHandle]]:
-        return (type(self), (self._actor,))
+    def __reduce__(self) -> tuple[type[MessageQueueClient], tuple[ActorHandle, int | None, str]]:
+        return (type(self), (self._actor, self._by_ref_bytes, self.by_ref_owner))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._actor!r})"
@@ -164,14 +287,21 @@ class MessageQueueClient:
     # ------------------------------------------------------------------ producers
 
     async def put(self, item: QueueItem) -> None:
-        """Enqueue one item; under policy block, waits for room."""
+        """Enqueue one item; under policy block, waits for room. Returns once it is queued.
+
+        Concurrent puts of this client coalesce into one actor call (module doc)."""
         _check_items((item,))
-        await self._call(self._actor.put_many, _wire.to_wire((item,)))
+        (element,) = await self._to_wire((item,))
+        loop = asyncio.get_running_loop()
+        batcher = self._batcher
+        if batcher is None or batcher.loop is not loop:
+            batcher = self._batcher = _PutBatcher(self._actor, loop)
+        await batcher.put(element)
 
     async def put_many(self, items: Sequence[QueueItem]) -> None:
         """Enqueue many items in one Ray call (in order). Policy reject refuses all or none."""
         _check_items(items)
-        await self._call(self._actor.put_many, _wire.to_wire(items))
+        await self._call(self._actor.put_many, await self._to_wire(items))
 
     async def close(self, error: BaseException | str | None = None) -> None:
         """End the stream, or (with `error`) fail it: consumers then raise `ProducerFailed`
@@ -183,7 +313,7 @@ class MessageQueueClient:
     async def get(self, timeout: float | None = None) -> QueueItem:  # noqa: ASYNC109
         """Next item; `QueueTimeout` after `timeout` s (nothing taken), `QueueClosed` when
         closed and drained, `ProducerFailed` after a failure."""
-        return _wire.from_wire(await self._take(self._actor.get, timeout))[0]
+        return (await self._take(self._actor.get, timeout))[0]
 
     async def get_batch(
         self,
@@ -201,10 +331,9 @@ class MessageQueueClient:
         Timeout: `QueueTimeout`, nothing taken; the list is never empty. After `close()`, a
         partial final batch is returned, then `QueueClosed`."""
         _check_batch_args(n, min_items, current_version, max_staleness)
-        elements = await self._take(
+        return await self._take(
             self._actor.get_batch, n, timeout, min_items, current_version, max_staleness
         )
-        return _wire.from_wire(elements)
 
     async def __aiter__(self) -> AsyncIterator[QueueItem]:
         """Items one by one until the queue is closed and drained; `ProducerFailed` raises."""
@@ -223,7 +352,17 @@ class MessageQueueClient:
     async def size(self) -> int:
         return int(await self._call(self._actor.size))
 
+    async def actor_memory(self) -> dict[str, int]:
+        """The queue actor's process: `pid`, `rss_bytes`, `peak_rss_bytes`."""
+        return dict(await self._call(self._actor.memory))
+
     # ------------------------------------------------------------------ internals
+
+    async def _to_wire(self, items: Sequence[QueueItem]) -> list[_wire.WireItem]:
+        if _wire.needs_object_store(items, self._by_ref_bytes):
+            # ray.put copies the payloads into the object store: not on this loop.
+            return await asyncio.to_thread(_wire.to_wire, items, self._by_ref_bytes, self._adopt)
+        return _wire.to_wire(items, None)
 
     @staticmethod
     async def _call(method: Any, *args: Any) -> Any:
@@ -236,25 +375,36 @@ class MessageQueueClient:
             _cancel(ref)  # best effort: stop a put still waiting for room in the actor
             raise
 
-    async def _take(self, method: Any, *args: Any) -> list[_wire.WireItem]:
+    async def _take(self, method: Any, *args: Any) -> list[QueueItem]:
         """A get call whose items are never lost to a cancellation (see the module doc)."""
         ticket = _ticket()
         ref = method.remote(*args, ticket)
         try:
-            return await ref
+            elements = await ref
         except RayTaskError as exc:
             _raise_own_error(exc)
         except asyncio.CancelledError:
-            hand_back = asyncio.ensure_future(_hand_back(self._actor, ref, ticket))
-            _HANDING_BACK.add(hand_back)
-            hand_back.add_done_callback(_HANDING_BACK.discard)
-            try:
-                await asyncio.shield(hand_back)
-            except asyncio.CancelledError:
-                pass  # cancelled again: the hand-back goes on in the background
-            except Exception:
-                logger.warning("could not hand items back to the queue", exc_info=True)
+            await _in_background(_hand_back(self._actor, ref, ticket))
             raise
+        try:
+            return await _wire.resolve(elements)  # fetches by-ref payloads
+        except asyncio.CancelledError:
+            # Taken but not delivered: the refs are still valid, give the items back.
+            await _in_background(_requeue(self._actor, elements))
+            raise
+
+
+async def _in_background(hand_back: Coroutine[Any, Any, None]) -> None:
+    """Run a hand-back to its end even if the caller is cancelled again meanwhile."""
+    task = asyncio.ensure_future(hand_back)
+    _HANDING_BACK.add(task)
+    task.add_done_callback(_HANDING_BACK.discard)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        pass  # cancelled again: the hand-back goes on in the background
+    except Exception:
+        logger.warning("could not hand items back to the queue", exc_info=True)
 
 
 class SyncMessageQueueClient:
@@ -265,10 +415,17 @@ class SyncMessageQueueClient:
     of blocking that loop: use `MessageQueueClient` there.
     """
 
-    __slots__ = ("_actor",)
+    __slots__ = ("_actor", "_adopt", "_by_ref_bytes")
 
-    def __init__(self, actor: ActorHandle) -> None:
+    def __init__(
+        self,
+        actor: ActorHandle,
+        by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
+        by_ref_owner: str = "queue",
+    ) -> None:
         self._actor = actor
+        self._by_ref_bytes = _wire.check_by_ref_bytes(by_ref_bytes)
+        self._adopt = _wire.adopt_for_owner(by_ref_owner)
 
     @classmethod
     def create(
@@ -282,6 +439,8 @@ class SyncMessageQueueClient:
         get_if_exists: bool = False,
         max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
         actor_options: dict[str, Any] | None = None,
+        by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
+        by_ref_owner: str = "queue",
     ) -> Self:
         """Start a queue actor; same arguments as `MessageQueueClient.create`."""
         handle = start_queue_actor(
@@ -294,39 +453,56 @@ class SyncMessageQueueClient:
             max_concurrency=max_concurrency,
             actor_options=actor_options,
         )
-        return cls(handle)
+        return cls(handle, by_ref_bytes, by_ref_owner)
 
     @classmethod
-    def connect(cls, name: str, namespace: str | None = None) -> Self:
+    def connect(
+        cls,
+        name: str,
+        namespace: str | None = None,
+        *,
+        by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
+        by_ref_owner: str = "queue",
+    ) -> Self:
         _forbid_running_loop("connect")
-        return cls(ray.get_actor(name, namespace))
+        return cls(ray.get_actor(name, namespace), by_ref_bytes, by_ref_owner)
 
     @property
     def handle(self) -> ActorHandle:
         return self._actor
 
-    def to_async(self) -> MessageQueueClient:
-        return MessageQueueClient(self._actor)
+    @property
+    def by_ref_bytes(self) -> int | None:
+        return self._by_ref_bytes
 
-    def __reduce__(self) -> tuple[type[SyncMessageQueueClient], tuple[ActorHandle]]:
-        return (type(self), (self._actor,))
+    @property
+    def by_ref_owner(self) -> str:
+        return "queue" if self._adopt else "producer"
+
+    def to_async(self) -> MessageQueueClient:
+        return MessageQueueClient(self._actor, self._by_ref_bytes, self.by_ref_owner)
+
+    def __reduce__(
+        self,
+    ) -> tuple[type[SyncMessageQueueClient], tuple[ActorHandle, int | None, str]]:
+        return (type(self), (self._actor, self._by_ref_bytes, self.by_ref_owner))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._actor!r})"
 
     def put(self, item: QueueItem) -> None:
         _check_items((item,))
-        self._call("put", self._actor.put_many, _wire.to_wire((item,)))
+        self._call("put", self._actor.put_many, self._to_wire("put", (item,)))
 
     def put_many(self, items: Sequence[QueueItem]) -> None:
         _check_items(items)
-        self._call("put_many", self._actor.put_many, _wire.to_wire(items))
+        self._call("put_many", self._actor.put_many, self._to_wire("put_many", items))
 
     def close(self, error: BaseException | str | None = None) -> None:
         self._call("close", self._actor.close, *_cause_text(error))
 
     def get(self, timeout: float | None = None) -> QueueItem:
-        return _wire.from_wire(self._take("get", self._actor.get, timeout))[0]
+        return _wire.from_wire_blocking(self._take("get", self._actor.get, timeout))[0]
 
     def get_batch(
         self,
@@ -347,7 +523,7 @@ class SyncMessageQueueClient:
             current_version,
             max_staleness,
         )
-        return _wire.from_wire(elements)
+        return _wire.from_wire_blocking(elements)
 
     def __iter__(self) -> Iterator[QueueItem]:
         while True:
@@ -362,6 +538,13 @@ class SyncMessageQueueClient:
 
     def size(self) -> int:
         return int(self._call("size", self._actor.size))
+
+    def actor_memory(self) -> dict[str, int]:
+        return dict(self._call("actor_memory", self._actor.memory))
+
+    def _to_wire(self, name: str, items: Sequence[QueueItem]) -> list[_wire.WireItem]:
+        _forbid_running_loop(name)  # before any ray.put
+        return _wire.to_wire(items, self._by_ref_bytes, self._adopt)
 
     @staticmethod
     def _call(name: str, method: Any, *args: Any) -> Any:
@@ -397,6 +580,11 @@ def _cancel(ref: ray.ObjectRef) -> None:
         ray.cancel(ref)
     except Exception:
         logger.debug("could not cancel queue call", exc_info=True)
+
+
+async def _requeue(actor: ActorHandle, elements: list[_wire.WireItem]) -> None:
+    await actor.requeue.remote(elements)
+    logger.debug("handed %d item(s) of a cancelled get back to the queue", len(elements))
 
 
 async def _hand_back(actor: ActorHandle, ref: ray.ObjectRef, ticket: str) -> None:

@@ -17,7 +17,13 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar
 
-from async_queue.errors import ProducerFailed, QueueClosed, QueueFull, QueueTimeout
+from async_queue.errors import (
+    ProducerFailed,
+    QueueClosed,
+    QueueError,
+    QueueFull,
+    QueueTimeout,
+)
 from async_queue.types import (
     DROP_REASON_OVERFLOW,
     DROP_REASON_PRODUCER_FAILED,
@@ -153,6 +159,24 @@ class MessageQueue(Generic[ItemT]):
             else:
                 await self._put_blocking(batch)
             self._items_ready.notify_all()
+
+    async def put_each(self, items: Iterable[ItemT]) -> list[QueueError | None]:
+        """Enqueue items one by one, each exactly as its own `put` would be, in order; return
+        each one's outcome (None: enqueued; else the `QueueFull` / `QueueClosed` that its
+        `put` would have raised).
+
+        This is how a client delivers single puts of several callers coalesced into one
+        call: unlike `put_many`, policy reject refuses only the items that do not fit, and a
+        close while blocked fails only the items not yet enqueued."""
+        outcomes: list[QueueError | None] = []
+        for item in items:
+            try:
+                await self.put_many((item,))
+            except (QueueFull, QueueClosed) as exc:
+                outcomes.append(exc)
+            else:
+                outcomes.append(None)
+        return outcomes
 
     async def _put_blocking(self, batch: list[ItemT]) -> None:
         start = 0

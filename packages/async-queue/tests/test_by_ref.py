@@ -1,0 +1,219 @@
+"""Payloads by reference (issue 12, item 3), on a real local Ray.
+
+Items whose payload reaches the client's `by_ref_bytes` are `ray.put` by the producing client;
+the queue actor holds only refs (re-owned by the actor, so they survive their producer), and
+consumers get the values back. Consumed or dropped payloads are freed from the object store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import random
+import re
+import time
+
+import pytest
+import ray
+from async_queue import (
+    DEFAULT_BY_REF_BYTES,
+    MessageQueueClient,
+    QueueClosed,
+    QueueItem,
+    QueueTimeout,
+    SyncMessageQueueClient,
+)
+from async_queue._wire import ByRef
+
+pytestmark = pytest.mark.usefixtures("ray_logs_dir")
+
+WAIT = 60.0
+MIB = 1024 * 1024
+
+
+def _item(serial: int, size: int, version: int = 0) -> QueueItem:
+    payload = (serial.to_bytes(4, "little") + os.urandom(12)) * (size // 16) + bytes(size % 16)
+    return QueueItem(payload=payload, version=version, sample_id=f"s-{serial}")
+
+
+def plasma_objects() -> int:
+    """Objects in the object store of this (one-node) cluster, from Ray's memory summary."""
+    from ray._private.internal_api import memory_summary
+
+    summary = memory_summary(stats_only=True)
+    found = re.search(r"Plasma memory usage .*?, (\d+) objects", summary)
+    assert found, summary
+    return int(found.group(1))
+
+
+def wait_for_objects(at_most: int, seconds: float = 30.0) -> int:
+    deadline = time.monotonic() + seconds
+    while True:
+        count = plasma_objects()
+        if count <= at_most or time.monotonic() > deadline:
+            return count
+        time.sleep(0.2)
+
+
+@ray.remote(num_cpus=0)
+class ShortLivedProducer:
+    """Puts items, then is killed by the test (a producer that exits)."""
+
+    async def put_and_leak_a_ref(
+        self, queue: MessageQueueClient, items: list[QueueItem]
+    ) -> list[ray.ObjectRef]:
+        await queue.put_many(items[:-1])
+        await queue.put(items[-1])
+        # Control: an object this actor owns (nested, so the caller gets the ref itself).
+        return [ray.put(b"owned by the producer" * 10_000)]
+
+
+async def test_large_payloads_travel_by_reference_and_come_back_equal() -> None:
+    """Around the threshold: below it by value, at it and above by ref; all come back equal,
+    and the actor's own get hands refs (ByRef), never payload bytes (~1 s)."""
+    client = MessageQueueClient.create(maxsize=16)
+    assert client.by_ref_bytes == DEFAULT_BY_REF_BYTES == 64 * 1024
+    sizes = [100, 16 * 1024, DEFAULT_BY_REF_BYTES - 1, DEFAULT_BY_REF_BYTES, 3 * MIB]
+    items = [_item(i, size, version=i) for i, size in enumerate(sizes)]
+    await client.put_many(items[:3])
+    await client.put(items[3])
+    await client.put(items[4])
+    raw = await client.handle.get_batch.remote(2, None, 2, None, None)
+    assert [type(e) for e in raw] == [bytes, QueueItem]  # by value: the actor sees payloads
+    await client.handle.requeue.remote(raw)
+    assert await client.get_batch(2, min_items=2) == items[:2]
+    assert await client.get() == items[2]
+    raw = await client.handle.get_batch.remote(2, None, 2, None, None)
+    assert [type(e) for e in raw] == [ByRef, ByRef]  # the actor holds refs only
+    assert all(len(e.header) < 200 for e in raw)
+    await client.handle.requeue.remote(raw)
+    assert await client.get_batch(2, min_items=2) == items[3:]
+    # A client pickled into another process keeps its threshold.
+    copy = pickle.loads(pickle.dumps(MessageQueueClient(client.handle, by_ref_bytes=10)))
+    assert copy.by_ref_bytes == 10
+    with pytest.raises(ValueError):
+        MessageQueueClient(client.handle, by_ref_bytes=0)
+    with pytest.raises(ValueError):
+        MessageQueueClient(client.handle, by_ref_owner="trainer")
+    # Producer-owned: no re-owning copy, same values back; the flag travels with the item.
+    producer_owned = MessageQueueClient(client.handle, by_ref_owner="producer")
+    assert pickle.loads(pickle.dumps(producer_owned)).by_ref_owner == "producer"
+    await producer_owned.put(items[4])
+    raw = await client.handle.get_batch.remote(1, None, 1, None, None)
+    assert raw[0].adopt is False
+    await client.handle.requeue.remote(raw)
+    assert await client.get() == items[4]
+    ray.kill(client.handle)
+
+
+async def test_by_ref_items_survive_a_producer_that_exits() -> None:
+    """A producer actor puts by-ref items and is killed; a consumer still receives them (the
+    queue actor owns them). Control: an object the producer owned itself is lost (~3 s)."""
+    client = MessageQueueClient.create(maxsize=16)
+    producer = ShortLivedProducer.remote()
+    items = [_item(i, MIB) for i in range(3)] + [_item(3, 100)]
+    (own_ref,) = await producer.put_and_leak_a_ref.remote(client, items)
+    ray.kill(producer, no_restart=True)
+    for _ in range(100):  # until it is really gone
+        try:
+            await producer.put_and_leak_a_ref.remote(client, items)
+        except ray.exceptions.RayActorError:
+            break
+        await asyncio.sleep(0.1)
+    # The control: an object the producer owned is lost once Ray notices its owner died
+    # (~1-2 s here); by then, producer-owned payloads would be lost from the queue too.
+    deadline = time.monotonic() + WAIT
+    lost: BaseException | None = None
+    while lost is None and time.monotonic() < deadline:
+        try:
+            await asyncio.wait_for(own_ref, WAIT)
+        except ray.exceptions.OwnerDiedError as exc:
+            lost = exc
+        await asyncio.sleep(0.2)
+    assert lost is not None, "the control object outlived its owner"
+    got = await asyncio.wait_for(client.get_batch(4, min_items=4), WAIT)
+    assert got == items
+    ray.kill(client.handle)
+
+
+async def test_consumed_and_dropped_payloads_are_freed_from_the_object_store() -> None:
+    """20 x 1 MiB by ref: while queued they are in the object store; once consumed, dropped as
+    stale or dropped by a producer failure, none is left (~3 s)."""
+    client = MessageQueueClient.create(maxsize=32)
+    await client.size()
+    before = await asyncio.to_thread(wait_for_objects, 0, 5.0)
+    await client.put_many([_item(i, MIB, version=i // 5) for i in range(20)])
+    queued = await asyncio.to_thread(plasma_objects)
+    assert queued >= before + 20, (before, queued)
+    got = await client.get_batch(10, current_version=3, max_staleness=1)  # drops versions 0, 1
+    assert [i.sample_id for i in got] == [f"s-{i}" for i in range(10, 20)]
+    assert (await client.stats()).dropped == {"stale": 10}
+    del got
+    assert await asyncio.to_thread(wait_for_objects, before) <= before
+    await client.put_many([_item(i, MIB) for i in range(20, 30)])
+    assert await asyncio.to_thread(plasma_objects) >= before + 10
+    await client.close(RuntimeError("producer failed"))  # drops the 10 queued items
+    assert await asyncio.to_thread(wait_for_objects, before) <= before
+    ray.kill(client.handle)
+
+
+async def test_no_by_ref_item_lost_or_doubled_when_gets_are_cancelled() -> None:
+    """40 trials cancelling a consumer at random moments, also while it fetches payloads
+    (every item goes by ref here: by_ref_bytes=1); each item is delivered once (~5 s)."""
+    client = MessageQueueClient.create(maxsize=64, by_ref_bytes=1)
+    rng = random.Random(12)
+    produced: list[str] = []
+    delivered: list[str] = []
+    serial = 0
+
+    async def consume() -> None:
+        batch = await client.get_batch(4, min_items=2)
+        delivered.extend(item.sample_id for item in batch)
+
+    for _ in range(40):
+        await client.put_many([_item(serial + k, 64 * 1024) for k in range(3)])
+        produced.extend(f"s-{serial + k}" for k in range(3))
+        serial += 3
+        consumer = asyncio.create_task(consume())
+        await asyncio.sleep(rng.random() * 0.02)
+        consumer.cancel()
+        await asyncio.gather(consumer, return_exceptions=True)
+        stats = await client.stats()
+        assert stats.size + len(delivered) == len(produced), stats
+    await client.close()
+    rest: list[str] = []
+    while True:
+        try:
+            rest += [i.sample_id for i in await client.get_batch(64, timeout=5.0)]
+        except QueueTimeout:
+            pytest.fail("a closed queue must end with QueueClosed")
+        except QueueClosed:
+            break
+    assert sorted(delivered + rest) == sorted(produced)
+    assert 0 < len(delivered) < len(produced)  # some trials delivered, some were cancelled
+    ray.kill(client.handle)
+
+
+def test_sync_client_by_reference() -> None:
+    """The blocking client puts and gets by-ref items too (~1 s)."""
+    client = SyncMessageQueueClient.create(maxsize=8, by_ref_bytes=1024)
+    items = [_item(i, size) for i, size in enumerate([10, 1024, 200 * 1024])]
+    client.put_many(items[:2])
+    client.put(items[2])
+    assert client.get_batch(3, min_items=3) == items
+    assert client.to_async().by_ref_bytes == 1024
+    memory = client.actor_memory()
+    assert memory["peak_rss_bytes"] >= memory["rss_bytes"] > 0
+    ray.kill(client.handle)
+
+
+@pytest.mark.slow
+async def test_stress_by_reference(stress) -> None:
+    """The seeded stress (3 producers sharing one client, so single puts coalesce; timeouts,
+    staleness) with half the items by ref (~15 s)."""
+    run_stress, check_stress = stress
+    client = MessageQueueClient.create(maxsize=12, by_ref_bytes=32)
+    result = await asyncio.wait_for(run_stress(client, seed=12, producer_ops=40), 180.0)
+    check_stress(result)
+    ray.kill(client.handle)
