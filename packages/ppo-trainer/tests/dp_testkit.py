@@ -8,6 +8,7 @@ children inherit it.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ STEPS = 4
 BASE = {
     "lr": 1e-3,
     "batch_size": 3,
-    "ppo_epochs": 2,
+    "ppo_epochs": 1,  # 2 updates a step all the same (2 minibatches); GAE runs 2 epochs
     "num_minibatches": 2,
     "grad_accum": 2,
     "sync_every": 2,
@@ -34,11 +35,15 @@ CASES: dict[str, dict[str, Any]] = {
     "seq-mean-token-sum-norm": {"loss_agg": "seq-mean-token-sum-norm", "loss_agg_horizon": 8},
     "seq-mean-token-mean": {"loss_agg": "seq-mean-token-mean"},
     "rloo": {"advantage": "rloo"},
-    "gae": {"advantage": "gae", "loss_agg": "token-mean"},
+    "gae": {"advantage": "gae", "loss_agg": "token-mean", "ppo_epochs": 2},
     "gae-seq-mean": {"advantage": "gae", "loss_agg": "seq-mean-token-mean"},
     "kl-entropy": {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_agg": "seq-mean-token-sum"},
 }
 STRATEGIES = ("ddp", "fsdp2")
+# fsdp2 shares every line of the loss and its denominators with ddp (only the gradient
+# reduction differs), so it runs a subset: the two aggregation families and GAE (+ the
+# checkpoint runs); each of its passes is several collectives, slow on a loaded machine.
+FSDP2_CASES = ("token-mean", "seq-mean-token-mean", "gae")
 CHECKPOINT_CASE = "gae"
 
 
@@ -108,14 +113,19 @@ def rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
     from ppo_trainer import DataParallel
 
     torch.set_num_threads(1)
+    started = time.perf_counter()
     DataParallel.init(rank, world_size, init_method=f"tcp://127.0.0.1:{port}", timeout_s=120)
     data = groups()
-    results: dict[str, Any] = {"out_dir": out_dir}
+    timings: dict[str, float] = {"init": time.perf_counter() - started}
+    results: dict[str, Any] = {"out_dir": out_dir, "timings": timings}
     try:
         for strategy in STRATEGIES:
             dp = DataParallel(strategy=strategy)
-            for name in CASES:
+            for name in CASES if strategy == "ddp" else FSDP2_CASES:
+                started = time.perf_counter()
                 results[f"{strategy}/{name}"] = run_case(name, data, dp=dp)
+                timings[f"{strategy}/{name}"] = time.perf_counter() - started
+            started = time.perf_counter()
             root = Path(out_dir) / f"ckpt-{strategy}"
             straight = run_case(CHECKPOINT_CASE, data, dp=dp, checkpoint_dir=root)
             resumed = run_case(
@@ -125,6 +135,7 @@ def rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
                 resume_from=root / "step_000002",
             )
             results[f"{strategy}/checkpoint"] = {"straight": straight, "resumed": resumed}
+            timings[f"{strategy}/checkpoint"] = time.perf_counter() - started
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         DataParallel(strategy="ddp").close()

@@ -8,6 +8,7 @@ the tests below compare the results. Real torch.distributed (gloo on CPU), no fa
 
 from __future__ import annotations
 
+import logging
 import socket
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,16 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from dp_testkit import CASES, CHECKPOINT_CASE, STEPS, STRATEGIES, groups, rank_main, run_case
+from dp_testkit import (
+    CASES,
+    CHECKPOINT_CASE,
+    FSDP2_CASES,
+    STEPS,
+    STRATEGIES,
+    groups,
+    rank_main,
+    run_case,
+)
 from ppo_testkit import tiny_qwen2
 from ppo_trainer import shard_groups
 
@@ -31,10 +41,12 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every rank's results. Costs ~40 s on 2 shared cores (two spawned interpreters
-    importing torch + transformers, then 2 x 11 short runs of 4 steps each)."""
+    importing torch + transformers, then 16 short runs of 4 steps each)."""
     out = tmp_path_factory.mktemp("dp")
     mp.spawn(rank_main, args=(WORLD, _free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    logging.getLogger(__name__).info("rank 0 timings (s): %s", results[0]["timings"])
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +61,10 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    ("case", "strategy"),
+    [(case, "ddp") for case in CASES] + [(case, "fsdp2") for case in FSDP2_CASES],
+)
 def test_two_ranks_equal_one_process(
     ranks: list[dict[str, Any]], single: dict[str, dict[str, Any]], case: str, strategy: str
 ) -> None:

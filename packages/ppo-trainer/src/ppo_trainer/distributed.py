@@ -201,10 +201,12 @@ class DataParallel:
             for layer in _decoder_layers(model):
                 fully_shard(layer, mesh=self._mesh)
             fully_shard(model, mesh=self._mesh)
-            # Each rank's loss is already normalised by the global counts: sum, not average.
+            # Each rank's loss is already normalised by the global counts: sum, not average
+            # (plain SUM collectives: gloo has no PREMUL_SUM).
             for module in model.modules():
                 if isinstance(module, FSDPModule):
                     module.set_gradient_divide_factor(1.0)
+                    module.set_force_sum_reduction_for_comms(True)
         return model
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:

@@ -584,7 +584,9 @@ def export_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _chunks(index: torch.Tensor, parts: int) -> Iterator[torch.Tensor]:
-    """Split a 1-D index tensor into `parts` near-equal non-empty chunks."""
+    """Split a 1-D index tensor into `parts` near-equal non-empty chunks (none if empty)."""
+    if not len(index):
+        return
     for chunk in torch.tensor_split(index, min(parts, len(index))):
         if len(chunk):
             yield chunk
