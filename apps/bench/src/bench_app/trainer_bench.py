@@ -11,6 +11,12 @@ Throughput = non-padding tokens (prompt + response) of the batches / wall time. 
 run alternately for several rounds (the machine is shared; alternating spreads any
 interference over both) and each side's fastest round is compared (interference only ever
 adds time, so the minimum is the least noisy estimate); medians are reported too.
+
+Data parallel: the same run with `PPOTrainer(data_parallel=...)` over 1 rank (a plain
+trainer) and 2 gloo ranks (spawned processes, one intra-op thread each, strategies ddp and
+fsdp2); per-step wall time on rank 0, best of `rounds` runs after a warm-up step. On a
+2-core machine shared with other work the 2-rank speedup may be below 1; it is reported as
+measured.
 """
 
 from __future__ import annotations
@@ -18,11 +24,16 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import json
+import os
 import random
+import socket
 import statistics
+import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -235,6 +246,90 @@ def _time_trainer(
         trainer.close()
 
 
+# -- data parallel: 1 vs 2 ranks ------------------------------------------------------------
+
+
+def _dp_rank(rank: int, world: int, port: int, strategy: str, quick: bool, out: str) -> None:
+    """One rank of a timed data-parallel run (a spawned process); rank 0 writes the
+    per-step wall times of each round to `out`."""
+    torch.set_num_threads(1)
+    dp = None
+    if world > 1:
+        from ppo_trainer import DataParallel
+
+        init = f"tcp://127.0.0.1:{port}"
+        dp = DataParallel.init(rank, world, init_method=init, strategy=strategy)  # type: ignore[arg-type]
+    setup = QUICK if quick else FULL
+    base = _model(setup)
+    groups = _groups(setup, setup.groups_per_step * (setup.steps + 1), seed=0)
+    warmup, rest = groups[: setup.groups_per_step], groups[setup.groups_per_step :]
+    batches = [
+        rest[i : i + setup.groups_per_step] for i in range(0, len(rest), setup.groups_per_step)
+    ]
+    config = dataclasses.replace(CONFIG, batch_size=setup.groups_per_step)
+    step_s: list[float] = []
+    try:
+        for _ in range(setup.rounds):
+            trainer = PPOTrainer(
+                copy.deepcopy(base), config, metrics_sink=_NullMetrics(), data_parallel=dp
+            )
+
+            async def main(trainer: PPOTrainer = trainer) -> float:
+                await trainer.train(_source([warmup]))
+                started = time.perf_counter()
+                await trainer.train(_source(batches))
+                return (time.perf_counter() - started) / len(batches)
+
+            try:
+                step_s.append(asyncio.run(main()))
+            finally:
+                trainer.close()
+        if rank == 0:
+            Path(out).write_text(json.dumps(step_s))
+    finally:
+        if dp is not None:
+            dp.close()
+
+
+def _time_data_parallel(world: int, strategy: str, quick: bool) -> list[float]:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "steps.json")
+        mp.spawn(_dp_rank, args=(world, port, strategy, quick, out), nprocs=world, join=True)
+        return list(json.loads(Path(out).read_text()))
+
+
+def _data_parallel_rows(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    runs = {
+        "1 rank": _time_data_parallel(1, "ddp", quick),
+        "2 ranks ddp": _time_data_parallel(2, "ddp", quick),
+        "2 ranks fsdp2": _time_data_parallel(2, "fsdp2", quick),
+    }
+    one = min(runs["1 rank"])
+    rows = [
+        {
+            "loop": f"data parallel, {name}",
+            "step_ms (best round)": 1000 * min(times),
+            "rounds_s": ", ".join(f"{t:.3f}" for t in times),
+            "speedup vs 1 rank": one / min(times),
+        }
+        for name, times in runs.items()
+    ]
+    figures = {
+        "dp_step_ms_1": round(1000 * one, 1),
+        "dp_step_ms_2_ddp": round(1000 * min(runs["2 ranks ddp"]), 1),
+        "dp_step_ms_2_fsdp2": round(1000 * min(runs["2 ranks fsdp2"]), 1),
+        "dp_speedup_2_ddp": round(one / min(runs["2 ranks ddp"]), 3),
+        "dp_speedup_2_fsdp2": round(one / min(runs["2 ranks fsdp2"]), 3),
+        "cpu_count": os.cpu_count(),
+    }
+    return rows, figures
+
+
 def run(quick: bool) -> BenchReport:
     setup = QUICK if quick else FULL
     threads = torch.get_num_threads()
@@ -266,6 +361,7 @@ def run(quick: bool) -> BenchReport:
     ratio = trainer_tps / minimal_tps
     median_ratio = statistics.median(minimal_walls) / statistics.median(trainer_walls)
     params = sum(p.numel() for p in base.parameters())
+    dp_rows, dp_figures = _data_parallel_rows(quick)
     rows = [
         {
             "loop": "PPOTrainer.train()",
@@ -279,6 +375,7 @@ def run(quick: bool) -> BenchReport:
             "step_ms (best round)": 1000 * min(minimal_walls) / setup.steps,
             "rounds_s": ", ".join(f"{w:.2f}" for w in minimal_walls),
         },
+        *dp_rows,
     ]
     return BenchReport(
         title=f"Trainer throughput ({'quick' if quick else 'full'})",
@@ -296,6 +393,7 @@ def run(quick: bool) -> BenchReport:
             "steps": setup.steps,
             "rounds": setup.rounds,
             "quick": quick,
+            **dp_figures,
         },
         notes=[
             f"Qwen2 random init, {params / 1e6:.2f}M params, vocab {setup.vocab}; "
@@ -305,5 +403,8 @@ def run(quick: bool) -> BenchReport:
             "(so both do one no-grad proximal forward + 2 forward/backward/AdamW steps).",
             "torch.set_num_threads(1) for both; best of alternating rounds; "
             "tokens = non-padding prompt+response tokens.",
+            "data parallel: spawned gloo ranks, 1 thread each, same batches (each rank trains "
+            "its group-aligned half); step time on rank 0; on a shared 2-core machine the "
+            "2-rank speedup can be below 1 (reported as measured).",
         ],
     )

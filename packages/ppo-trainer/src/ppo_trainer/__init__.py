@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         rloo_advantages,
     )
     from ppo_trainer.batch import PackedBatch, pack_batch
+    from ppo_trainer.distributed import DataParallel, DPStrategy, GroupShard, shard_groups
     from ppo_trainer.losses import (
         aggregate_loss,
         entropy_from_logits,
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
 __all__ = [
     "TRAJECTORY_SCHEMA_VERSION",
     "BatchSource",
+    "DPStrategy",
+    "DataParallel",
+    "GroupShard",
     "GroupSource",
     "MetricValue",
     "MetricsSink",
@@ -77,6 +81,7 @@ __all__ = [
     "policy_loss",
     "read_checkpoint_meta",
     "rloo_advantages",
+    "shard_groups",
     "token_logprobs",
     "value_loss",
 ]
@@ -89,6 +94,10 @@ _LAZY = {
     "masked_whiten": "advantages",
     "PackedBatch": "batch",
     "pack_batch": "batch",
+    "DataParallel": "distributed",
+    "DPStrategy": "distributed",
+    "GroupShard": "distributed",
+    "shard_groups": "distributed",
     "aggregate_loss": "losses",
     "entropy_from_logits": "losses",
     "kl_penalty": "losses",

@@ -44,16 +44,39 @@ VALUE_HEAD_FILE = "value_head.pt"
 
 
 def save_checkpoint(path: str | Path, updater: PolicyUpdater, state: TrainerState) -> Path:
-    """Write a checkpoint of `updater` and `state` to directory `path` (replaced if present)."""
-    final = Path(path)
+    """Write a checkpoint of `updater` and `state` to directory `path` (replaced if present).
+
+    Data parallel: collective; the full (gathered) state is written by rank 0 alone, in the
+    format of one process, so a checkpoint resumes with any number of ranks."""
+    dp = updater.data_parallel
+    if dp is not None:
+        model_state = dp.full_model_state(updater.model)
+        optimizer_state = dp.full_optimizer_state(updater.optimizer)
+        if dp.is_leader:
+            assert model_state is not None and optimizer_state is not None
+            _write(Path(path), updater, state, model_state, optimizer_state)
+        dp.all_reduce(torch.zeros(1))  # barrier: nobody reads it before it is written
+        return Path(path)
+    return _write(
+        Path(path), updater, state, updater.model.state_dict(), updater.optimizer.state_dict()
+    )
+
+
+def _write(
+    final: Path,
+    updater: PolicyUpdater,
+    state: TrainerState,
+    model_state: dict[str, Any],
+    optimizer_state: dict[str, Any],
+) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        torch.save(updater.model.state_dict(), tmp / "model.pt")
+        torch.save(model_state, tmp / "model.pt")
         if updater.value_head is not None:
             torch.save(updater.value_head.state_dict(), tmp / VALUE_HEAD_FILE)
-        torch.save(updater.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(updater.scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(_rng_state(updater), tmp / "rng.pt")
         (tmp / STATE_FILE).write_text(state.to_json(dataclasses.asdict(updater.config)))
@@ -84,11 +107,20 @@ def load_checkpoint(path: str | Path, updater: PolicyUpdater) -> TrainerState:
             f"{root}: has a {VALUE_HEAD_FILE} (written with advantage='gae'); resume it with "
             f"advantage='gae', not {updater.config.advantage!r}"
         )
-    updater.model.load_state_dict(torch.load(root / "model.pt", map_location=device))
+    dp = updater.data_parallel
+    model_state = torch.load(root / "model.pt", map_location=device)
+    if dp is not None:  # every rank reads the directory: it must be visible to all
+        dp.load_model_state(updater.model, model_state)
+    else:
+        updater.model.load_state_dict(model_state)
     if updater.value_head is not None:
         head = torch.load(root / VALUE_HEAD_FILE, map_location=device)
         updater.value_head.load_state_dict(head)
-    updater.optimizer.load_state_dict(torch.load(root / "optimizer.pt", map_location=device))
+    optimizer_state = torch.load(root / "optimizer.pt", map_location=device)
+    if dp is not None:
+        dp.load_optimizer_state(updater.optimizer, optimizer_state)
+    else:
+        updater.optimizer.load_state_dict(optimizer_state)
     updater.scheduler.load_state_dict(torch.load(root / "scheduler.pt"))
     _restore_rng(torch.load(root / "rng.pt"), updater)
     _warn_config_changes(read_saved_config(root), updater.config)

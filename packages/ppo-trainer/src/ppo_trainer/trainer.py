@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
@@ -36,6 +36,9 @@ from ppo_trainer.sources import iterate_groups
 from ppo_trainer.staleness import group_staleness, staleness_metrics
 from ppo_trainer.types import Trajectory
 from ppo_trainer.update import PolicyUpdater
+
+if TYPE_CHECKING:
+    from ppo_trainer.distributed import DataParallel
 
 __all__ = ["PPOTrainer", "StopReason", "TrainSummary"]
 
@@ -97,9 +100,20 @@ class PPOTrainer:
         optimizer: torch.optim.Optimizer | None = None,
         mm_inputs_fn: MultiModalInputsFn | None = None,
         pad_token_id: int = 0,
+        data_parallel: DataParallel | None = None,
     ) -> None:
         self.config = config or PPOConfig()
-        self._updater = PolicyUpdater(model, self.config, optimizer=optimizer, ref_model=ref_model)
+        if data_parallel is not None and data_parallel.strategy == "fsdp2" and optimizer:
+            raise ValueError("fsdp2 replaces the model's parameters: leave optimizer=None")
+        self._dp = data_parallel
+        self._dp_end_due = False  # rank 0 owes the other ranks an end-of-run message
+        self._updater = PolicyUpdater(
+            model,
+            self.config,
+            optimizer=optimizer,
+            ref_model=ref_model,
+            data_parallel=data_parallel,
+        )
         self._weight_sink = weight_sink
         self._metrics_sink = metrics_sink
         self._mm_inputs_fn = mm_inputs_fn
@@ -206,6 +220,12 @@ class PPOTrainer:
             raise RuntimeError("train() is already running")
         if weight_sink is not None:
             self._weight_sink = weight_sink
+        if self._dp is not None and not self._dp.is_leader:
+            self._running = True
+            try:
+                return await self._follow()
+            finally:
+                self._running = False
         self._running = True
         self._loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
@@ -218,6 +238,7 @@ class PPOTrainer:
         idle_s = 0.0
         steps = groups = samples = dropped = tokens = 0
         reason: StopReason = "end_of_stream"
+        self._dp_end_due = self._dp is not None
         try:
             while True:
                 total = self.config.total_steps
@@ -247,6 +268,11 @@ class PPOTrainer:
                     break
             await self._finish_push()
         finally:
+            if self._dp is not None and self._dp_end_due:
+                # Release the other ranks (also after a source error; not after a failed
+                # step, whose collectives may have left them waiting elsewhere).
+                self._dp_end_due = False
+                await self._in_worker(self._dp.broadcast_object, _DPEnd(reason))
             await self._abandon_push()
             self._running = False
             self._stop_requested = False
@@ -350,6 +376,9 @@ class PPOTrainer:
         self._in_step = True
         try:
             result = await self._in_worker(self._step_in_worker, collected.groups, sync_due)
+        except BaseException:
+            self._dp_end_due = False
+            raise
         finally:
             self._in_step = False
         self._step += 1
@@ -388,16 +417,118 @@ class PPOTrainer:
         self._latest = metrics
         if self._metrics_sink is not None:
             self._metrics_sink.log(metrics, self._step)
+        await self._maybe_checkpoint()
+        return result.tokens
+
+    async def _maybe_checkpoint(self) -> None:
         every = self.config.checkpoint_every
         if every and self._step % every == 0 and self.config.checkpoint_dir is not None:
             path = await self.save_checkpoint(
                 Path(self.config.checkpoint_dir) / f"step_{self._step:06d}"
             )
-            await self._in_worker(update_latest, path, self.config.keep_checkpoints)
-        return result.tokens
+            if self._dp is None or self._dp.is_leader:
+                await self._in_worker(update_latest, path, self.config.keep_checkpoints)
+
+    # -- data parallel --------------------------------------------------------------------
+
+    async def _follow(self) -> TrainSummary:
+        """`train()` on a rank other than 0: take each step's groups from rank 0, train on
+        this rank's shard, until rank 0 says the run ended."""
+        started = time.perf_counter()
+        steps = groups = samples = tokens = 0
+        reason: StopReason = "end_of_stream"
+        while True:
+            received = await self._in_worker(self._follow_in_worker)
+            if isinstance(received, _DPEnd):
+                reason = received.reason
+                break
+            message, result = received
+            self._step += 1
+            self._consumed.add_groups(message.groups)
+            self._weights_are_version = message.sync_due
+            self._version = message.version + (1 if message.sync_due else 0)
+            metrics: dict[str, MetricValue] = dict(result.metrics)
+            metrics.update({"trainer/step_s": result.step_s, "reward/mean": result.reward_mean})
+            self._latest = metrics
+            if self._metrics_sink is not None:
+                self._metrics_sink.log(metrics, self._step)
+            steps += 1
+            groups += len(message.groups)
+            samples += sum(len(g) for g in message.groups)
+            tokens += result.tokens
+            await self._maybe_checkpoint()
+        wall_s = time.perf_counter() - started
+        return TrainSummary(
+            reason=reason,
+            steps=steps,
+            step=self._step,
+            version=self._version,
+            groups=groups,
+            samples=samples,
+            dropped_groups=0,
+            tokens=tokens,
+            wall_s=wall_s,
+            idle_s=0.0,
+            idle_ratio=0.0,
+            metrics=dict(self._latest),
+        )
+
+    def _follow_in_worker(self) -> _DPEnd | tuple[_DPStep, _StepResult]:
+        assert self._dp is not None
+        message = self._dp.broadcast_object()
+        if isinstance(message, _DPEnd):
+            return message
+        return message, self._dp_step(message, time.perf_counter())
+
+    def _dp_step(self, message: _DPStep, started: float) -> _StepResult:
+        """This rank's part of a step: its group-aligned shard of `message.groups`."""
+        from ppo_trainer.distributed import shard_groups
+
+        assert self._dp is not None
+        shard = shard_groups(message.groups, self._dp.rank, self._dp.world_size)
+        local = [t for group in shard.groups for t in group]
+        advantages = None  # GAE: the updater computes token advantages from its values
+        if self.config.advantage != "gae":
+            # Per group, and groups are never split: the same advantages as one process.
+            advantages = [a for group in shard.groups for a in self._advantages(group)]
+        batch = None
+        if local:
+            batch = pack_batch(
+                local,
+                advantages,
+                pad_token_id=self._pad_token_id,
+                mm_inputs_fn=self._mm_inputs_fn,
+                current_version=message.current_version,
+            )
+        metrics = self._updater.step(batch, shard)
+        step_s = time.perf_counter() - started
+        weights, export_s = None, 0.0
+        if message.export:
+            export_started = time.perf_counter()
+            weights = self._updater.export_weights()  # full on rank 0 only (collective)
+            export_s = time.perf_counter() - export_started
+        everything = [t for group in message.groups for t in group]
+        return _StepResult(
+            metrics=metrics,
+            weights=weights,
+            step_s=step_s,
+            export_s=export_s,
+            tokens=sum(len(t.prompt_ids) + len(t.response_ids) for t in everything),
+            reward_mean=sum(t.reward for t in everything) / len(everything),
+        )
 
     def _step_in_worker(self, groups: list[list[Trajectory]], export: bool) -> _StepResult:
         started = time.perf_counter()
+        if self._dp is not None:
+            message = _DPStep(
+                groups=groups,
+                sync_due=export,
+                export=export and self._weight_sink is not None,
+                version=self._version,
+                current_version=self._version if self._weights_are_version else None,
+            )
+            self._dp.broadcast_object(message)
+            return self._dp_step(message, started)
         trajectories = [t for group in groups for t in group]
         advantages = None  # GAE: the updater computes token advantages from its values
         if self.config.advantage != "gae":
@@ -495,6 +626,24 @@ class _ConsumedIds:
             for t in group:
                 self.sample_ids[t.sample_id] = None
                 self.group_ids[t.group_id] = None
+
+
+@dataclass(frozen=True, slots=True)
+class _DPStep:
+    """Rank 0 to the other ranks: one step's groups and what to do with them."""
+
+    groups: list[list[Trajectory]]
+    sync_due: bool  # the step ends with a version bump
+    export: bool  # gather the full weights on rank 0 (rank 0 has a weight sink)
+    version: int  # the policy version before the step
+    current_version: int | None  # see pack_batch(current_version=)
+
+
+@dataclass(frozen=True, slots=True)
+class _DPEnd:
+    """Rank 0 to the other ranks: `train()` ended."""
+
+    reason: StopReason
 
 
 @dataclass(frozen=True, slots=True)

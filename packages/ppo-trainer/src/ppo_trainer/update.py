@@ -11,6 +11,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from ppo_trainer.losses import (
     value_loss,
 )
 from ppo_trainer.schedule import make_scheduler
+
+if TYPE_CHECKING:
+    from ppo_trainer.distributed import DataParallel, GroupShard
 
 __all__ = ["PolicyUpdater", "export_weights"]
 
@@ -68,7 +72,11 @@ class PolicyUpdater:
         *,
         optimizer: torch.optim.Optimizer | None = None,
         ref_model: torch.nn.Module | None = None,
+        data_parallel: DataParallel | None = None,
     ) -> None:
+        self.data_parallel = data_parallel
+        if data_parallel is not None:
+            model = data_parallel.wrap(model)  # before the optimizer sees its parameters
         self.model = model
         self.config = config
         self.ref_model = ref_model
@@ -107,8 +115,19 @@ class PolicyUpdater:
 
     # -- public -------------------------------------------------------------------------
 
-    def step(self, batch: PackedBatch) -> dict[str, float]:
-        """One trainer step on `batch`: `ppo_epochs` x `num_minibatches` optimizer steps."""
+    def step(self, batch: PackedBatch | None, shard: GroupShard | None = None) -> dict[str, float]:
+        """One trainer step on `batch`: `ppo_epochs` x `num_minibatches` optimizer steps.
+
+        With `data_parallel`, `batch` is this rank's shard (None if it holds no rows) and
+        `shard` says where it sits in the global batch; every rank must call `step` (it is
+        collective) and all compute the update one process would on the whole batch.
+        """
+        if self.data_parallel is not None:
+            if shard is None:
+                raise ValueError("a data-parallel step needs the GroupShard of its batch")
+            return self._step_dp(batch, shard)
+        if batch is None:
+            raise ValueError("step() needs a batch")
         cfg = self.config
         self.model.train()
         gae = self.value_head is not None
@@ -181,9 +200,203 @@ class PolicyUpdater:
         out["trainer/lr"] = float(lr)
         return out
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """The policy's weights (never the value head): what the inference engine loads."""
+    def export_weights(self) -> dict[str, torch.Tensor] | None:
+        """The policy's weights (never the value head): what the inference engine loads.
+
+        Data parallel: the full weights on rank 0, None on the others (collective)."""
+        if self.data_parallel is not None:
+            return self.data_parallel.full_state_dict(self.model)
         return export_weights(self.model)
+
+    # -- data parallel ------------------------------------------------------------------
+
+    def _step_dp(self, batch: PackedBatch | None, shard: GroupShard) -> dict[str, float]:
+        """`step` on this rank's shard; collectives make it equal one process's step.
+
+        The minibatch permutation is drawn over the global rows with the shared seeded
+        generator, so every optimizer step covers the same sequences as in one process;
+        each rank takes the rows of each minibatch that it holds, divides its loss by the
+        minibatch's global token / sequence counts, and the gradients are summed.
+        """
+        dp = self.data_parallel
+        assert dp is not None
+        cfg = self.config
+        local_rows = 0 if batch is None else batch.size
+        if local_rows != shard.rows:
+            raise ValueError(f"batch has {local_rows} rows, shard says {shard.rows}")
+        self.model.train()
+        gae = self.value_head is not None
+        recompute_prox = cfg.updates_per_step > 1
+        use_ref = self.ref_model is not None and cfg.kl_coef != 0.0
+        fsdp = dp.strategy == "fsdp2"
+        total = shard.total_rows
+        starts = [sum(shard.rank_rows[:r]) for r in range(shard.world_size)]
+        bounds = [(a, a + n) for a, n in zip(starts, shard.rank_rows, strict=True)]
+        lo, hi = bounds[shard.rank]
+
+        diff_sum, diff_count = 0.0, 0.0
+        prox = values = None
+        if recompute_prox or gae:
+            first_logp, values = self._pre_pass_dp(batch, shard)
+            prox = first_logp if recompute_prox else None
+            if batch is not None and first_logp is not None:
+                diff_sum, diff_count = _behav_diff_sums(first_logp, batch)
+        if batch is not None:
+            ref = self._logprobs(self.ref_model, batch) if use_ref and self.ref_model else None
+            batch = batch.with_logprobs(prox_logp=prox, ref_logp=ref)
+        if gae:
+            batch = self._with_gae_dp(batch, values)
+        # Response tokens of every global row: the minibatch denominators are global.
+        row_tokens = torch.zeros(total, dtype=torch.float64)
+        if batch is not None:
+            row_tokens[lo:hi] = batch.response_mask.sum(dim=1).to(torch.float64)
+        dp.all_reduce(row_tokens)
+
+        sums: dict[str, float] = defaultdict(float)
+        token_total = 0.0
+        losses: list[float] = []
+        vf_losses: list[float] = []
+        grad_norms: list[float] = []
+        is_weight_max = 0.0
+        lr = self.optimizer.param_groups[0]["lr"]
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
+        for epoch in range(cfg.ppo_epochs):
+            order = torch.randperm(total, generator=self.generator)
+            for rows in _chunks(order, cfg.num_minibatches):
+                n_tok = float(row_tokens[rows].sum().item())
+                n_seq = float(len(rows))
+                mine = rows[(rows >= lo) & (rows < hi)] - lo
+                micro_rows = list(_chunks(torch.arange(len(mine)), cfg.grad_accum))
+                passes = len(micro_rows)
+                if fsdp:  # every rank runs as many passes as the busiest one
+                    passes = max(
+                        min(cfg.grad_accum, int(((rows >= a) & (rows < b)).sum()))
+                        for a, b in bounds
+                    )
+                minibatch = batch.select(mine) if batch is not None and len(mine) else None
+                mb_loss = mb_vf_loss = 0.0
+                for i in range(passes):
+                    if minibatch is None or i >= len(micro_rows):
+                        self._dummy_pass(batch, grad=True)
+                        continue
+                    micro = minibatch.select(micro_rows[i])
+                    loss, metrics, tokens, logp = self._micro_loss(micro, n_tok, n_seq)
+                    loss.backward()
+                    mb_loss += float(loss.item())
+                    mb_vf_loss += metrics.pop("value_loss", 0.0)
+                    token_total += tokens
+                    if not recompute_prox and not gae and epoch == 0:
+                        d_sum, d_count = _behav_diff_sums(logp, micro)
+                        diff_sum, diff_count = diff_sum + d_sum, diff_count + d_count
+                    for key, value in metrics.items():
+                        if key == "is_weight_max":
+                            is_weight_max = max(is_weight_max, value)
+                        else:
+                            sums[key] += value * tokens
+                dp.sync_grads(self.params)
+                grad_norms.append(dp.clip_grad_norm(self.params, max_norm))
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                losses.append(mb_loss)
+                vf_losses.append(mb_vf_loss)
+        self.scheduler.step()
+
+        # One all-reduce for every summed metric (presence flags say which were measured).
+        keys = list(_TOKEN_METRICS)
+        packed = torch.tensor(
+            [
+                token_total,
+                diff_sum,
+                diff_count,
+                *(sums.get(k, 0.0) for k in keys),
+                *(1.0 if k in sums else 0.0 for k in keys),
+                *losses,
+                *vf_losses,
+            ],
+            dtype=torch.float64,
+        )
+        dp.all_reduce(packed)
+        peak = dp.all_reduce(torch.tensor([is_weight_max], dtype=torch.float64), op="max")
+        values_list = packed.tolist()
+        token_total, diff_sum, diff_count = values_list[:3]
+        n_keys, n_mb = len(keys), len(losses)
+        key_sums = values_list[3 : 3 + n_keys]
+        present = values_list[3 + n_keys : 3 + 2 * n_keys]
+        losses = values_list[3 + 2 * n_keys : 3 + 2 * n_keys + n_mb]
+        vf_losses = values_list[3 + 2 * n_keys + n_mb :]
+        out: dict[str, float] = {}
+        out.update(_behav_diff(diff_sum, diff_count))
+        out.update(
+            {
+                f"ppo/{k}": total_k / max(token_total, 1.0)
+                for k, total_k, seen in zip(keys, key_sums, present, strict=True)
+                if seen > 0
+            }
+        )
+        out["ppo/loss"] = sum(losses) / len(losses)
+        if gae:
+            out["ppo/value_loss"] = sum(vf_losses) / len(vf_losses)
+        out["ppo/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["ppo/is_weight_max"] = float(peak[0])
+        out["trainer/lr"] = float(lr)
+        return out
+
+    @torch.no_grad()
+    def _pre_pass_dp(
+        self, batch: PackedBatch | None, shard: GroupShard
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`_pre_pass` on this rank's rows; with fsdp2 padded with dummy forwards so every
+        rank runs as many (each forward all-gathers the parameters)."""
+        assert self.data_parallel is not None
+        micro_batches = self.config.num_minibatches * self.config.grad_accum
+        micro_size = max(1, -(-max(shard.rank_rows) // micro_batches))
+        own = -(-shard.rows // micro_size)
+        passes = own
+        if self.data_parallel.strategy == "fsdp2":
+            passes = max(-(-n // micro_size) for n in shard.rank_rows)
+        result: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        if batch is not None:
+            result = self._no_grad_pass(
+                self.model, batch, values=self.value_head is not None, micro_size=micro_size
+            )
+        for _ in range(passes - own):
+            self._dummy_pass(batch, grad=False)
+        return result
+
+    def _with_gae_dp(self, batch: PackedBatch | None, values: torch.Tensor | None) -> PackedBatch:
+        """`_with_gae` with the whitening statistics taken over every rank's tokens."""
+        from ppo_trainer.distributed import masked_whiten_global
+
+        assert self.data_parallel is not None
+        cfg = self.config
+        if batch is None:
+            if cfg.whiten_advantages:  # take part in the collective with no tokens
+                empty = torch.zeros(0, 1)
+                masked_whiten_global(empty, empty, self.data_parallel)
+            return batch  # type: ignore[return-value]
+        assert values is not None
+        mask = batch.response_mask
+        values = torch.where(mask.bool(), values, 0.0)
+        advantages, returns = gae_advantages(
+            batch.token_rewards(), values, mask, gamma=cfg.gamma, lam=cfg.lam
+        )
+        if cfg.whiten_advantages:
+            advantages = masked_whiten_global(advantages, mask, self.data_parallel)
+        return replace(batch, advantages=advantages, returns=returns, old_values=values)
+
+    def _dummy_pass(self, batch: PackedBatch | None, *, grad: bool) -> None:
+        """A forward (and zero-weighted backward) that changes nothing: keeps an fsdp2 rank
+        that has no rows left in step with the others' all-gathers and reduce-scatters."""
+        if batch is not None and batch.size:
+            inputs = batch.select(torch.arange(1)).model_inputs()
+        else:
+            ids = torch.zeros((1, 2), dtype=torch.long)
+            inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        with torch.set_grad_enabled(grad):
+            logits = self.model(**inputs).logits
+            if grad:
+                (logits.sum() * 0.0).backward()
 
     # -- internals ----------------------------------------------------------------------
 
@@ -278,12 +491,18 @@ class PolicyUpdater:
 
     @torch.no_grad()
     def _no_grad_pass(
-        self, model: torch.nn.Module, batch: PackedBatch, *, values: bool
+        self,
+        model: torch.nn.Module,
+        batch: PackedBatch,
+        *,
+        values: bool,
+        micro_size: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         logps = torch.zeros_like(batch.behav_logp)
         vals = torch.zeros_like(batch.behav_logp) if values else None
-        micro_batches = self.config.num_minibatches * self.config.grad_accum
-        micro_size = max(1, -(-batch.size // micro_batches))
+        if micro_size is None:
+            micro_batches = self.config.num_minibatches * self.config.grad_accum
+            micro_size = max(1, -(-batch.size // micro_batches))
         for start in range(0, batch.size, micro_size):
             rows = torch.arange(start, min(start + micro_size, batch.size))
             micro = batch.select(rows)
@@ -368,7 +587,9 @@ def export_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _chunks(index: torch.Tensor, parts: int) -> Iterator[torch.Tensor]:
-    """Split a 1-D index tensor into `parts` near-equal non-empty chunks."""
+    """Split a 1-D index tensor into `parts` near-equal non-empty chunks (none if empty)."""
+    if not len(index):
+        return
     for chunk in torch.tensor_split(index, min(parts, len(index))):
         if len(chunk):
             yield chunk
