@@ -31,6 +31,7 @@ def test_every_failure_reaches_the_journal_while_memory_keeps_the_last_n(tmp_pat
         max_concurrency=8,
         batch_size=4,
         max_staleness=1000,  # no weight pushes here: do not let the budget stop admission
+        pacing="eager",
         recent_failures=5,
         sampling=SamplingConfig(max_tokens=8),
     )

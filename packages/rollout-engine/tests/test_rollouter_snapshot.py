@@ -28,7 +28,9 @@ from rollout_engine.testing import FakeEngine, FakeEngineConfig, ListSink, make_
 
 MAX_TOKENS = 64
 K = 1
-ENGINE = FakeEngineConfig(seed=5, time_per_token_s=0.002, median_length=40, length_sigma=0.3)
+# Fixed lengths: groups finish in admission order, so no group is legitimately dropped as too
+# stale at delivery (a straggler could be) and every drop would be a bug.
+ENGINE = FakeEngineConfig(seed=5, time_per_token_s=0.002, fixed_length=30)
 
 
 def _config(**overrides: object) -> RolloutConfig:
@@ -75,6 +77,15 @@ class _Consumer:
                 await self.rollouter.update_weights({"w": version}, version)
 
 
+async def _wait_for_partials(rollouter: Rollouter, engine: FakeEngine, version: int) -> None:
+    """Until the rollouter is at `version` and its running requests have tokens."""
+    await wait_until(lambda: rollouter.version >= version)
+    tokens = engine.tokens_generated
+    await wait_until(
+        lambda: engine.tokens_generated >= tokens + 24 and len(engine.running_request_ids) >= 2
+    )
+
+
 def _partial_groups(snapshot: RolloutSnapshot) -> list[GroupSnapshot]:
     return [
         g
@@ -109,7 +120,7 @@ async def test_snapshot_mid_run_loses_nothing_and_the_run_goes_on() -> None:
     )
     run = asyncio.create_task(rollouter.run())
     pusher = asyncio.create_task(consumer.push_while(run, 0))
-    await wait_until(lambda: rollouter.version >= 1 and len(engine.running_request_ids) >= 2)
+    await _wait_for_partials(rollouter, engine, version=1)
     snapshot = await rollouter.snapshot_in_flight()
     stats = await asyncio.wait_for(run, timeout=30)
     await pusher
@@ -131,13 +142,7 @@ async def test_restore_after_a_crash_continues_every_partial_with_its_versions(
     rollouter = first.rollouter = Rollouter(engine, prompts, first.sink, _reward, _config())
     run = asyncio.create_task(rollouter.run())
     pusher = asyncio.create_task(first.push_while(run, 0))
-    await wait_until(
-        lambda: (
-            rollouter.version >= 2
-            and engine.tokens_generated > 0
-            and rollouter.stats().in_flight >= 3
-        )
-    )
+    await _wait_for_partials(rollouter, engine, version=2)
     snapshot = await rollouter.snapshot_in_flight()
     in_snapshot = {g.group_id for g in snapshot.groups}
     delivered_before = [g for g in first.sink.groups if g[0].group_id not in in_snapshot]
@@ -163,6 +168,7 @@ async def test_restore_after_a_crash_continues_every_partial_with_its_versions(
     stats = await asyncio.wait_for(run2, timeout=30)
     await pusher2
 
+    assert (stats.failed, stats.dropped) == (0, 0), (stats, rollouter2.failures)
     assert _assert_prefixes_kept(restored, second.sink.groups) >= partial_tokens
     assert stats.restored == len(restored.groups) and stats.restore_dropped == 0
     assert (stats.failed, stats.dropped) == (0, 0)
@@ -176,8 +182,7 @@ def _engine_kwargs() -> dict[str, object]:
     return {
         "seed": ENGINE.seed,
         "time_per_token_s": ENGINE.time_per_token_s,
-        "median_length": ENGINE.median_length,
-        "length_sigma": ENGINE.length_sigma,
+        "fixed_length": ENGINE.fixed_length,
     }
 
 
