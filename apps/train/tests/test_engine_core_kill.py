@@ -61,8 +61,9 @@ def _alive(process: psutil.Process) -> bool:
 
 
 def test_killed_engine_core_fails_the_run_with_the_cause_within_30_s(tmp_path: Path) -> None:
-    """Costs ~100 s on an idle 2-core machine: Ray and vLLM start (~60 s), a few steps, the
-    kill, up to 30 s to fail and the shutdown of the rest."""
+    """Costs ~100-400 s: Ray and vLLM start, a few steps, the kill, the failure and the
+    shutdown of the rest. Measured 393 s on the shared 2-core machine (other jobs running);
+    the run exited 1 14.3 s after the kill, 3 steps in."""
     run_dir = tmp_path / "engine-core-killed"
     proc = subprocess.Popen(
         [
