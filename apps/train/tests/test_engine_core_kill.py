@@ -117,6 +117,9 @@ def test_killed_engine_core_fails_the_run_with_the_cause_within_30_s(tmp_path: P
     assert proc.returncode != 0, out[-4000:]
     assert len(_records(run_dir)) < 60, "the run went on to finish"
     assert "run failed" in out and "EngineDeadError" in out, out[-4000:]
+    # Every failed group was journaled as it happened (issue 14 item 4).
+    failures = [json.loads(line) for line in (run_dir / "failures.jsonl").read_text().splitlines()]
+    assert sum(f["error_type"] == "EngineDeadError" for f in failures) >= 1, failures[-3:]
     # No orphans: every process of the run's tree (Ray's included) is gone shortly after.
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and any(_alive(p) for p in processes):
