@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import pytest
@@ -83,3 +84,32 @@ def test_weights_blob_round_trips_tied_and_non_contiguous_tensors():
     for name, tensor in weights.items():
         assert restored[name].dtype == tensor.dtype
         assert torch.equal(restored[name], tensor)
+
+
+class _DyingLLM:
+    """A stand-in for `AsyncLLM` (no vLLM here) whose engine core dies while a pause is in
+    flight: as in vLLM, the in-flight utility call is never answered; `errored` turns true."""
+
+    def __init__(self) -> None:
+        self.errored = False
+        self.dead_error = RuntimeError("EngineDeadError stand-in")
+
+    async def pause_generation(self, *, mode: str, clear_cache: bool) -> None:
+        self.errored = True
+        await asyncio.Event().wait()  # never answered
+
+    async def resume_generation(self) -> None:
+        return None
+
+
+async def test_control_call_on_a_dead_engine_core_raises_instead_of_waiting_forever():
+    import time
+
+    from rollout_engine.vllm_engine import DEAD_POLL_S, VLLMEngine
+
+    engine = VLLMEngine(_DyingLLM(), VLLMEngineConfig(model="/m"))  # type: ignore[arg-type]
+    await engine.resume()  # a live call passes through
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="EngineDeadError"):
+        await asyncio.wait_for(engine.pause("abort"), timeout=5)
+    assert time.monotonic() - started < 4 * DEAD_POLL_S

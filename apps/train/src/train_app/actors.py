@@ -54,6 +54,8 @@ class RolloutSpec:
     skip_prompt_ids: frozenset[str] = field(default_factory=frozenset)
     cpu: int | None = None
     task_options: dict[str, Any] = field(default_factory=dict)
+    # Every failed group is appended here (JSONL; see train_app.failure_log); None: not kept.
+    failures_path: str | None = None
 
 
 @ray.remote(max_concurrency=64, max_restarts=0)
@@ -121,6 +123,11 @@ class RolloutActor:
             self._preprocessor = make_vision_preprocessor(task.settings)
             await self._preprocessor.warmup()
             engine = ImagePlaceholderEngine(self._engine, task.image_token_id)
+        self._journal = None
+        if spec.failures_path is not None:
+            from train_app.failure_log import FailureJournal
+
+            self._journal = FailureJournal(spec.failures_path, replica=spec.replica)
         self._rollouter = Rollouter(
             engine,
             _fresh_prompts(task.prompts(spec.seed * 1000 + spec.replica), spec.skip_prompt_ids),
@@ -128,6 +135,7 @@ class RolloutActor:
             task.reward,
             config,
             preprocessor=self._preprocessor,
+            on_failure=self._journal,
         )
         self._lag.reset()  # report the steady state, not the engine start-up
         self._run_task = asyncio.create_task(self._run())
@@ -199,6 +207,8 @@ class RolloutActor:
             await self._preprocessor.aclose()
         if hasattr(self, "_lag"):
             await self._lag.stop()
+        if getattr(self, "_journal", None) is not None:
+            await asyncio.to_thread(self._journal.close)
 
 
 def _max_model_len(model_dir: str, cap: int = 2048) -> int:

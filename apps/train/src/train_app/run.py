@@ -344,6 +344,7 @@ class _Session:
                     skip_prompt_ids=frozenset(consumed),
                     cpu=0 if pin else None,
                     task_options=_task_options(c, self.run_dir),
+                    failures_path=str((self.run_dir / "failures.jsonl").resolve()),
                 ),
                 self.queue,
             )

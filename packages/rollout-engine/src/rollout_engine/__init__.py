@@ -15,6 +15,13 @@ from rollout_engine.rollouter import (
     RolloutFailed,
     RolloutStats,
 )
+from rollout_engine.snapshot import (
+    GroupSnapshot,
+    ResponseSnapshot,
+    RolloutSnapshot,
+    load_snapshot,
+    save_snapshot,
+)
 from rollout_engine.types import (
     TRAJECTORY_SCHEMA_VERSION,
     Completion,
@@ -38,14 +45,17 @@ __all__ = [
     "Completion",
     "FailedSample",
     "GenerationEngine",
+    "GroupSnapshot",
     "LoopState",
     "MultiModalPreprocessor",
     "MultiModalRef",
     "PauseMode",
     "PromptSample",
+    "ResponseSnapshot",
     "RewardFn",
     "RolloutConfig",
     "RolloutFailed",
+    "RolloutSnapshot",
     "RolloutStats",
     "Rollouter",
     "SamplingConfig",
@@ -53,6 +63,8 @@ __all__ = [
     "Trajectory",
     "TrajectorySink",
     "VLLMEngine",
+    "load_snapshot",
+    "save_snapshot",
 ]
 
 

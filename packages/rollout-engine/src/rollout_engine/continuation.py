@@ -11,13 +11,26 @@ old-version tokens followed by new-version ones.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from rollout_engine.types import Completion, GenerationEngine, SamplingConfig
+from rollout_engine.types import Completion, SamplingConfig
 
-__all__ = ["PartialResponse", "continue_aborted"]
+__all__ = ["PartialResponse", "SupportsGenerate", "continue_aborted"]
+
+
+class SupportsGenerate(Protocol):
+    """The one `GenerationEngine` method a continuation uses."""
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingConfig,
+        n: int = 1,
+        multi_modal_data: dict[str, Any] | None = None,
+    ) -> list[Completion]: ...
 
 
 @dataclass
@@ -54,7 +67,7 @@ class PartialResponse:
 
 
 async def continue_aborted(
-    engine: GenerationEngine,
+    engine: SupportsGenerate,
     response: PartialResponse,
     *,
     request_id: str,

@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
 from rollout_engine.continuation import PartialResponse, continue_aborted
 from rollout_engine.types import (
+    Completion,
     GenerationEngine,
     MultiModalPreprocessor,
     MultiModalRef,
@@ -38,6 +39,8 @@ class GroupJob:
     version: int  # rollouter version at admission
     admitted_wall: float  # time.time(), for Timings
     admitted_at: float  # rollouter clock, for durations
+    # A group restored from a snapshot: its responses so far (unfinished ones continue).
+    restored: tuple[PartialResponse, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +57,12 @@ class GroupRunner:
     The reward function runs in `reward_executor` (off the event loop: rewards often decode
     tokens or run a verifier) unless it is marked `reward_fn.blocking = False`, which runs it
     on the loop (for trivially cheap functions; it saves one thread hop per group).
+
+    For snapshots (`rollout_engine.snapshot`): `responses_of(group_id)` is the live list of a
+    group's responses once its first engine call returned (continuations extend them in
+    place), and `wait_engine_quiet()` returns when no engine call is outstanding. A group's
+    first request also waits for `wait_until_resumed`, so nothing is sent into an engine
+    paused for a weight push or a snapshot.
     """
 
     def __init__(
@@ -78,6 +87,43 @@ class GroupRunner:
         self._on_resubmit = on_resubmit
         self._clock = clock
         self._reward_executor = reward_executor
+        self._responses: dict[str, list[PartialResponse]] = {}
+        self._engine_calls = 0
+        self._engine_quiet = asyncio.Event()
+        self._engine_quiet.set()
+        self._counted = _CountedEngine(self)
+
+    def responses_of(self, group_id: str) -> list[PartialResponse] | None:
+        """The group's responses so far (live objects), or None before its first engine call
+        returned."""
+        return self._responses.get(group_id)
+
+    def forget(self, group_id: str) -> None:
+        """Drop the group's responses (its task ended)."""
+        self._responses.pop(group_id, None)
+
+    async def wait_engine_quiet(self) -> None:
+        """Return once no engine call of any group is outstanding."""
+        await self._engine_quiet.wait()
+
+    async def _engine_generate(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingConfig,
+        n: int = 1,
+        multi_modal_data: dict[str, Any] | None = None,
+    ) -> list[Completion]:
+        self._engine_calls += 1
+        self._engine_quiet.clear()
+        try:
+            return await self._engine.generate(
+                request_id, prompt_ids, sampling, n=n, multi_modal_data=multi_modal_data
+            )
+        finally:
+            self._engine_calls -= 1
+            if self._engine_calls == 0:
+                self._engine_quiet.set()
 
     async def run(self, job: GroupJob) -> list[Trajectory]:
         multimodal = await self._prepare_multimodal(job.sample)
@@ -104,21 +150,26 @@ class GroupRunner:
         self, job: GroupJob, multi_modal_data: dict[str, Any] | None
     ) -> list[PartialResponse]:
         prompt_ids = list(job.sample.prompt_ids)
-        completions = await self._engine.generate(
-            job.group_id,
-            prompt_ids,
-            self._sampling,
-            n=self._group_size,
-            multi_modal_data=multi_modal_data,
-        )
-        if len(completions) != self._group_size:
-            raise RuntimeError(
-                f"engine returned {len(completions)} completions for n={self._group_size}"
+        if job.restored:
+            responses = list(job.restored)
+        else:
+            await self._wait_until_resumed()
+            completions = await self._engine_generate(
+                job.group_id,
+                prompt_ids,
+                self._sampling,
+                n=self._group_size,
+                multi_modal_data=multi_modal_data,
             )
-        responses = [PartialResponse.from_completion(c) for c in completions]
+            if len(completions) != self._group_size:
+                raise RuntimeError(
+                    f"engine returned {len(completions)} completions for n={self._group_size}"
+                )
+            responses = [PartialResponse.from_completion(c) for c in completions]
+        self._responses[job.group_id] = responses
         continuations = [
             continue_aborted(
-                self._engine,
+                self._counted,
                 response,
                 request_id=f"{job.group_id}:{index}",
                 prompt_ids=prompt_ids,
@@ -173,6 +224,25 @@ class GroupRunner:
             rewards = _score_all(self._reward_fn, sample, trajectories)
         for trajectory, reward in zip(trajectories, rewards, strict=True):
             trajectory.reward = reward
+
+
+class _CountedEngine:
+    """The engine as continuations see it: `generate` goes through the runner's counter."""
+
+    def __init__(self, runner: GroupRunner) -> None:
+        self._runner = runner
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingConfig,
+        n: int = 1,
+        multi_modal_data: dict[str, Any] | None = None,
+    ) -> list[Completion]:
+        return await self._runner._engine_generate(
+            request_id, prompt_ids, sampling, n=n, multi_modal_data=multi_modal_data
+        )
 
 
 def _score_all(

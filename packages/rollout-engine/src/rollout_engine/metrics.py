@@ -97,6 +97,9 @@ class RolloutStats(msgspec.Struct, kw_only=True):
     downstream_dropped: int = 0  # delivered, then dropped by the consumer (on_downstream_drop)
     lookahead: int = 0  # pacing: versions admission may run ahead now (<= max_staleness)
     failure_counts: dict[str, int] = {}  # failed groups by error type name, whole run
+    restored: int = 0  # groups restored from a snapshot and queued for admission
+    restore_dropped: int = 0  # restored groups whose partials were too stale (prompt restarts)
+    restore_dropped_tokens: int = 0  # tokens of those dropped partials
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,10 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
+
 from rollout_engine.admission import AdmissionPolicy, PacingName, PacingPolicy, make_pacing
+from rollout_engine.continuation import PartialResponse
 from rollout_engine.failures import FailureStreak, RepeatedFailureLog, RolloutFailed
 from rollout_engine.group import GroupJob, GroupRunner
 from rollout_engine.metrics import (
@@ -53,6 +56,7 @@ from rollout_engine.metrics import (
     RolloutStats,
     count_partial,
 )
+from rollout_engine.snapshot import GroupSnapshot, ResponseSnapshot, RolloutSnapshot
 from rollout_engine.types import (
     GenerationEngine,
     MultiModalPreprocessor,
@@ -286,8 +290,11 @@ class Rollouter:
         self._stop_requested = asyncio.Event()
         self._weights_lock = asyncio.Lock()  # serializes update_weights
         self._sync_paused = False
+        # Groups restored from a snapshot, admitted before any new prompt (see `restore`).
+        self._restored: deque[GroupSnapshot] = deque()
+        self._restore_counts = {"restored": 0, "restore_dropped": 0, "restore_dropped_tokens": 0}
         # Loop bookkeeping.
-        self._pending: PromptSample | None = None
+        self._pending: PromptSample | GroupSnapshot | None = None
         self._state: LoopState = "idle"
         self._resumed_at: float | None = None
         self._idle = IdleClock()
@@ -370,6 +377,109 @@ class Rollouter:
         retrieved and logged at debug level when it does."""
         self._stop_requested.set()
         await self._cancel_in_flight()
+
+    def restore(self, snapshot: RolloutSnapshot) -> None:
+        """Queue a snapshot's in-flight groups (`snapshot_in_flight`, possibly of another
+        process) ahead of the prompt source; call before `run()`.
+
+        Each group is admitted like a prompt (budget, concurrency) and its unfinished
+        responses continue from their tokens so far (`rollout_engine.snapshot`). A group
+        whose oldest token is more than `max_staleness` versions behind this rollouter's
+        version could never be delivered: its partial responses are dropped (counted in
+        `restore_dropped` and `restore_dropped_tokens`) and its prompt restarts from scratch,
+        so the prompt itself is not lost."""
+        if self._run_started:
+            raise RuntimeError("restore() must be called before run()")
+        if snapshot.group_size != self._config.group_size:
+            raise ValueError(
+                f"snapshot of groups of {snapshot.group_size} responses, "
+                f"this rollouter makes {self._config.group_size}"
+            )
+        for group in snapshot.groups:  # all checked before any is queued
+            if group.responses and len(group.responses) != self._config.group_size:
+                raise ValueError(
+                    f"group {group.group_id}: {len(group.responses)} responses, "
+                    f"expected {self._config.group_size}"
+                )
+        for group in snapshot.groups:
+            oldest = group.min_version
+            staleness = self._version - oldest if oldest is not None else 0
+            if self._admission.too_stale(staleness):
+                logger.info(
+                    "restored group %s: partials dropped (staleness %d > max_staleness %d); "
+                    "its prompt restarts",
+                    group.group_id,
+                    staleness,
+                    self._config.max_staleness,
+                )
+                self._restore_counts["restore_dropped"] += 1
+                self._restore_counts["restore_dropped_tokens"] += group.generated_tokens
+                group = msgspec.structs.replace(group, responses=[])
+            self._restored.append(group)
+            self._restore_counts["restored"] += 1
+
+    async def snapshot_in_flight(self, settle_timeout_s: float = 5.0) -> RolloutSnapshot:
+        """Every admitted, not yet delivered group with its responses so far
+        (`rollout_engine.snapshot`); the run goes on afterwards.
+
+        Like a weight push (and serialized with them): admission stops, the engine is
+        paused with mode "abort" so running requests hand back their tokens so far, and once
+        no engine call is outstanding (at most `settle_timeout_s`; a call still outstanding
+        then was sent into the paused engine and holds no token) the state is copied, the
+        engine resumed and admission reopened at the same version. The aborted responses
+        continue as after an abort-mode push (counted in `resumed`)."""
+        async with self._weights_lock:
+            self.pause()
+            try:
+                await self._engine.pause(mode="abort", clear_cache=False)
+                try:
+                    await asyncio.wait_for(self._groups.wait_engine_quiet(), settle_timeout_s)
+                except TimeoutError:
+                    logger.warning(
+                        "snapshot: engine calls still outstanding after %.1f s; taken anyway",
+                        settle_timeout_s,
+                    )
+                snapshot = self._build_snapshot()
+            finally:
+                try:
+                    await self._engine.resume()
+                finally:
+                    self.on_weights(self._version)
+        logger.info(
+            "snapshot of %d in-flight groups (%d tokens) at version %d",
+            len(snapshot.groups),
+            snapshot.generated_tokens,
+            snapshot.version,
+        )
+        return snapshot
+
+    def _build_snapshot(self) -> RolloutSnapshot:
+        """The state now; no await, so it is one consistent moment."""
+        seed = self._config.sampling.seed
+        groups: list[GroupSnapshot] = []
+        for task, job in self._jobs.items():
+            if task.done():  # delivered, dropped or failed: reaped soon, not in flight
+                continue
+            live = self._groups.responses_of(job.group_id)
+            responses = live if live is not None else job.restored
+            groups.append(
+                GroupSnapshot(
+                    group_id=job.group_id,
+                    sample=job.sample,
+                    admitted_version=job.version,
+                    sampling_seed=seed,
+                    responses=[ResponseSnapshot.of(r) for r in responses or ()],
+                )
+            )
+        # Restored groups not admitted yet are still in flight from the checkpoint's view.
+        waiting = [self._pending] if isinstance(self._pending, GroupSnapshot) else []
+        groups.extend([*waiting, *self._restored])
+        return RolloutSnapshot(
+            version=self._version,
+            group_size=self._config.group_size,
+            taken_at=time.time(),
+            groups=groups,
+        )
 
     async def update_weights(self, weights: Any, version: int) -> None:
         """Pause the engine (`pause_mode`, or "wait" without partial rollout), load the
@@ -460,6 +570,9 @@ class Rollouter:
             downstream_dropped=self._downstream_dropped,
             lookahead=self.lookahead,
             failure_counts=dict(self._failure_counts),
+            restored=self._restore_counts["restored"],
+            restore_dropped=self._restore_counts["restore_dropped"],
+            restore_dropped_tokens=self._restore_counts["restore_dropped_tokens"],
         )
 
     def metrics(self) -> dict[str, float]:
@@ -484,6 +597,8 @@ class Rollouter:
             await self._reap_finished()
             if self._stop_requested.is_set():  # stop(), or reaping gave up (RolloutFailed)
                 return
+            if self._pending is None and self._restored:
+                self._pending = self._restored.popleft()
             if self._pending is None:
                 self._pending = await self._fetch_prompt()
                 if self._pending is None:
@@ -556,14 +671,23 @@ class Rollouter:
             return None
         return await fetch
 
-    async def _dispatch(self, sample: PromptSample) -> None:
+    async def _dispatch(self, item: PromptSample | GroupSnapshot) -> None:
         async with self._lock:
+            if isinstance(item, GroupSnapshot):
+                restored: tuple[PartialResponse, ...] | None = tuple(
+                    r.to_partial() for r in item.responses
+                )
+                sample, group_id = item.sample, item.group_id
+            else:
+                restored, sample = None, item
+                group_id = f"{sample.prompt_id}:{self._counters.admitted}"
             job = GroupJob(
                 sample=sample,
-                group_id=f"{sample.prompt_id}:{self._counters.admitted}",
+                group_id=group_id,
                 version=self._version,
                 admitted_wall=time.time(),
                 admitted_at=self._clock(),
+                restored=restored or None,
             )
             task = asyncio.create_task(self._run_group(job), name=f"rollout:{job.group_id}")
             self._active.add(task)
@@ -637,6 +761,12 @@ class Rollouter:
     # ------------------------------------------------------------------ one group
 
     async def _run_group(self, job: GroupJob) -> GroupOutcome:
+        try:
+            return await self._run_group_inner(job)
+        finally:
+            self._groups.forget(job.group_id)
+
+    async def _run_group_inner(self, job: GroupJob) -> GroupOutcome:
         trajectories = await self._groups.run(job)
         self._pacing.on_group_generated(self._clock() - job.admitted_at)
         outcome = self._outcome(job, trajectories)

@@ -29,10 +29,10 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from rollout_engine.types import Completion, PauseMode, SamplingConfig
 from rollout_engine.vllm_worker import WORKER_EXTENSION
@@ -48,6 +48,11 @@ __all__ = ["VLLMEngine", "VLLMEngineConfig", "build_prompt", "build_sampling_par
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+_T = TypeVar("_T")
+# How often a control call (pause, resume, weight load, ...) checks that the engine core is
+# alive: vLLM never answers a utility call that was in flight when its engine core died, so
+# without the check a weight push would wait forever on a dead engine.
+DEAD_POLL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -297,18 +302,34 @@ class VLLMEngine:
         """Pause generation. keep: requests freeze; abort: they end with finish "abort";
         wait: returns when they have all finished. `clear_cache` drops KV and prefix cache
         (kept requests are then recomputed from their tokens with the new weights)."""
-        await self._llm.pause_generation(mode=mode, clear_cache=clear_cache)
+        await self._control(self._llm.pause_generation(mode=mode, clear_cache=clear_cache))
 
     async def resume(self) -> None:
-        await self._llm.resume_generation()
+        await self._control(self._llm.resume_generation())
 
     async def is_paused(self) -> bool:
-        return await self._llm.is_paused()
+        return await self._control(self._llm.is_paused())
+
+    async def _control(self, call: Awaitable[_T]) -> _T:
+        """Await a control call to the engine core; raise vLLM's `EngineDeadError` as soon
+        as the engine core is found dead (checked every `DEAD_POLL_S`) instead of waiting
+        for an answer that never comes."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DEAD_POLL_S)
+                if done:
+                    return await task
+                if getattr(self._llm, "errored", False):
+                    raise self._llm.dead_error
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests; their `generate` calls return with finish_reason "abort"."""
         if request_ids:
-            await self._llm.abort(list(request_ids))
+            await self._control(self._llm.abort(list(request_ids)))
 
     async def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Load a (CPU) state dict into the running engine and set `version`.
@@ -317,7 +338,7 @@ class VLLMEngine:
         duration of the load). Tokens that come out afterwards are stamped with `version`.
         """
         paused_here = False
-        if not await self._llm.is_paused():
+        if not await self.is_paused():
             if self._llm.get_num_unfinished_requests() > 0:
                 raise RuntimeError("pause the engine (mode keep or abort) before load_weights")
             await self.pause("keep", clear_cache=True)
@@ -327,9 +348,9 @@ class VLLMEngine:
             count = await self._send_weights(weights)
             # Old-weight prefix-cache blocks must not serve later requests. This fails only
             # while kept requests still hold KV (pause with clear_cache=False, by choice).
-            if not await self._llm.reset_prefix_cache():
+            if not await self._control(self._llm.reset_prefix_cache()):
                 logger.info("prefix cache not reset: paused requests keep their (old) KV cache")
-            await self._llm.update_weight_version(str(version))
+            await self._control(self._llm.update_weight_version(str(version)))
             self._version = version
         finally:
             if paused_here:
@@ -344,17 +365,21 @@ class VLLMEngine:
                 self._executor, _save_weights_file, weights, self._config.shm_dir
             )
             try:
-                counts = await self._llm.collective_rpc("rollout_load_weights_file", args=(path,))
+                counts = await self._control(
+                    self._llm.collective_rpc("rollout_load_weights_file", args=(path,))
+                )
             finally:
                 await loop.run_in_executor(self._executor, _remove, path)
         else:
             blob = await loop.run_in_executor(self._executor, _weights_to_blob, weights)
-            counts = await self._llm.collective_rpc("rollout_load_weights_blob", args=(blob,))
+            counts = await self._control(
+                self._llm.collective_rpc("rollout_load_weights_blob", args=(blob,))
+            )
         return int(counts[0]) if counts else 0
 
     async def weight_checksum(self) -> float:
         """Sum of the worker's parameters (debugging aid)."""
-        (checksum, *_) = await self._llm.collective_rpc("rollout_weight_checksum")
+        (checksum, *_) = await self._control(self._llm.collective_rpc("rollout_weight_checksum"))
         return float(checksum)
 
     async def close(self) -> None:
