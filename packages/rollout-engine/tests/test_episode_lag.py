@@ -13,8 +13,8 @@ rollouter. Three ways a tool burns CPU, three expectations:
 (Pure-Python work in tool *threads* holds the GIL; the loop then waits for it at every wake-up
 and its p99 lag was measured at 70-90 ms with two such threads: see rollout_engine.episode.)
 The engine is `rollout_engine.testing.FakeEngine` (a fake: these are scheduling tests).
-Costs ~5 s (about 2 s of tool CPU in other threads and processes, spawning 2 processes,
-and a baseline run per test); the 20 ms tests skip on a machine too busy to measure.
+Costs ~8 s (about 2 s of tool CPU in other threads or processes per run, spawning processes,
+baseline runs); the 20 ms tests skip, saying why, on a machine too busy to measure a loop.
 """
 
 from __future__ import annotations
@@ -149,28 +149,36 @@ async def _probe_run(make_env: object, prompts: int, episode: EpisodeConfig) -> 
     return probe
 
 
-async def _skip_if_the_machine_is_too_busy() -> None:
-    """The 20 ms bar is about this process's loop; on a machine whose other processes keep
-    every core busy, the loop waits for a core even with no tool at all. Measure that first
-    (the same run, tools that take 200 ms but no CPU) and skip when it alone is too slow."""
-    baseline = await _probe_run(lambda s: SleepingTool(), 2, EpisodeConfig(max_turns=2))
-    if baseline.p99() > 10.0:
-        pytest.skip(f"machine too busy to measure loop lag: baseline p99 {baseline.p99():.1f} ms")
+TOOLS = {
+    # 2 groups x 2 episodes x 2 steps = 8 tool calls = 1.6 s of CPU in 2 processes/threads.
+    "pure-python-in-processes": (ProcessTool, EpisodeConfig(max_turns=2, tool_processes=2)),
+    "native-in-threads": (NativeTool, EpisodeConfig(max_turns=2, tool_workers=2)),
+}
 
 
-async def test_a_tool_burning_200ms_of_cpu_per_call_keeps_loop_lag_p99_under_20ms() -> None:
-    await _skip_if_the_machine_is_too_busy()
-    # 2 groups x 2 episodes x 2 steps = 8 tool calls = 1.6 s of CPU in 2 processes.
-    episode = EpisodeConfig(max_turns=2, tool_processes=2)
-    probe = await _probe_run(lambda s: ProcessTool(), 2, episode)
+@pytest.mark.parametrize("tool", list(TOOLS))
+async def test_a_tool_burning_200ms_of_cpu_per_call_never_stalls_the_loop(tool: str) -> None:
+    """Holds on any machine: no tick waits anywhere near one tool call (the on-loop control
+    below waits >= 150 ms)."""
+    make, episode = TOOLS[tool]
+    probe = await _probe_run(lambda s: make(), 2, episode)
     assert len(probe.lags_ms) >= 40  # the run lasted >= 0.4 s of ticks
-    assert probe.p99() <= 20.0, f"p99 lag {probe.p99():.1f} ms, max {max(probe.lags_ms):.1f} ms"
+    assert probe.p99() < 0.5 * BURN_S * 1e3, f"p99 {probe.p99():.1f} ms"
 
 
-async def test_a_native_tool_in_the_thread_pool_keeps_loop_lag_p99_under_20ms() -> None:
-    await _skip_if_the_machine_is_too_busy()
-    probe = await _probe_run(lambda s: NativeTool(), 2, EpisodeConfig(max_turns=2, tool_workers=2))
-    assert len(probe.lags_ms) >= 40
+@pytest.mark.parametrize("tool", list(TOOLS))
+async def test_a_tool_burning_200ms_of_cpu_per_call_keeps_loop_lag_p99_under_20ms(
+    tool: str,
+) -> None:
+    """The issue's bar. It is about this loop, so it is measured only when the machine lets a
+    loop be measured: the same run with tools that take 200 ms but no CPU must show a p99
+    lag <= 5 ms first (on a machine whose other processes keep every core busy, the loop
+    waits for a core even with no tool at all; then the test skips and says so)."""
+    baseline = await _probe_run(lambda s: SleepingTool(), 2, EpisodeConfig(max_turns=2))
+    if baseline.p99() > 5.0:
+        pytest.skip(f"machine too busy to measure loop lag: baseline p99 {baseline.p99():.1f} ms")
+    make, episode = TOOLS[tool]
+    probe = await _probe_run(lambda s: make(), 2, episode)
     assert probe.p99() <= 20.0, f"p99 lag {probe.p99():.1f} ms, max {max(probe.lags_ms):.1f} ms"
 
 
