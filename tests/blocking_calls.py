@@ -18,6 +18,15 @@ BLOCKING_CALLS = {
     "PIL.Image.open": "decode images in an executor",
     "qwen_vl_utils.process_vision_info": "run it in a bounded executor",
     "qwen_vl_utils.vision_process.process_vision_info": "run it in a bounded executor",
+    # What environment and tool code typically calls (multi-turn episodes): run it in the
+    # rollouter's tool pool (a SyncEnvironment, or `await rollout_engine.run_blocking(...)`).
+    "subprocess.run": "use asyncio.create_subprocess_exec or the tool pool",
+    "subprocess.call": "use asyncio.create_subprocess_exec or the tool pool",
+    "subprocess.check_call": "use asyncio.create_subprocess_exec or the tool pool",
+    "subprocess.check_output": "use asyncio.create_subprocess_exec or the tool pool",
+    "os.system": "use asyncio.create_subprocess_shell or the tool pool",
+    "urllib.request.urlopen": "use an async HTTP client or the tool pool",
+    "socket.create_connection": "use asyncio.open_connection",
 }
 BLOCKING_MODULES = {"requests": "use an async HTTP client or an executor"}
 

@@ -45,11 +45,45 @@ def test_the_checker_scans_real_async_code() -> None:
             "        if m:\n            return qwen_vl_utils.process_vision_info(m)\n",
             "qwen_vl_utils.process_vision_info",
         ),
+        (
+            "import subprocess\nclass CalculatorEnv:\n    async def step(self, turn):\n"
+            "        return subprocess.run(['bc'], input=turn)\n",
+            "subprocess.run",
+        ),
+        ("import os\nasync def tool(cmd):\n    return os.system(cmd)\n", "os.system"),
+        (
+            "from urllib.request import urlopen\nasync def reset(self, sample):\n"
+            "    return urlopen(sample.url).read()\n",
+            "urllib.request.urlopen",
+        ),
     ],
 )
 def test_checker_flags_blocking_calls(snippet: str, expected: str) -> None:
     findings = check_source(snippet)
     assert [f.call for f in findings] == [expected]
+
+
+def test_the_checker_covers_environment_code() -> None:
+    """Multi-turn environments and tools (rollout-engine's episode runner, the environments
+    of its tests and of the apps) are inside the scanned roots, and a blocking environment
+    is fine when its methods are plain `def`s (the rollouter runs them in its tool pool)."""
+    scanned = {p.resolve() for root in ("packages", "apps") for p in (ROOT / root).rglob("*.py")}
+    episode = ROOT / "packages/rollout-engine/src/rollout_engine/episode.py"
+    assert episode.resolve() in scanned
+    assert (ROOT / "packages/rollout-engine/tests/test_episode.py").resolve() in scanned
+    sync_env = textwrap.dedent(
+        """
+        import subprocess
+
+        class CalculatorEnv:  # a SyncEnvironment: the rollouter calls it in its tool pool
+            def reset(self, sample):
+                return []
+
+            def step(self, turn):
+                return subprocess.run(["bc"], input=turn, capture_output=True).stdout
+        """
+    )
+    assert check_source(sync_env) == []
 
 
 def test_pragma_marks_a_deliberate_negative_control() -> None:

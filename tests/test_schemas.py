@@ -30,6 +30,8 @@ def _producer_trajectory() -> rollout_engine.Trajectory:
             messages_json='[{"role": "user"}]', image_sources=["/tmp/a.png"]
         ),
         num_resumes=1,
+        loss_mask=[1, 0, 1],
+        turn_starts=[0, 2],
     )
 
 
@@ -56,3 +58,23 @@ def test_a_trajectory_without_multimodal_inputs_round_trips() -> None:
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(producer), type=ppo_trainer.Trajectory)
     assert decoded.multimodal is None
     assert decoded.token_versions == [2, 3, 3]
+
+
+def test_a_multi_turn_episode_keeps_its_mask_and_turns() -> None:
+    decoded = msgspec.msgpack.decode(
+        msgspec.msgpack.encode(_producer_trajectory()), type=ppo_trainer.Trajectory
+    )
+    assert decoded.loss_mask == [1, 0, 1]
+    assert decoded.turn_starts == [0, 2]
+    assert decoded.generated_versions == [2, 3]
+    assert decoded.num_generated == 2
+
+
+def test_a_schema_1_payload_decodes_as_a_single_turn_response() -> None:
+    # A producer without the multi-turn fields: every response token counts as generated.
+    legacy = msgspec.to_builtins(_producer_trajectory())
+    del legacy["loss_mask"], legacy["turn_starts"]
+    legacy["schema_version"] = 1
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(legacy), type=ppo_trainer.Trajectory)
+    assert decoded.loss_mask == [] and decoded.turn_starts == []
+    assert decoded.num_generated == 3 and decoded.min_version == 2

@@ -24,12 +24,16 @@ def test_trajectory_fields_match_the_producer_contract() -> None:
         "timings",
         "multimodal",
         "num_resumes",
+        "loss_mask",
+        "turn_starts",
     ]
     defaults = {f.name: f.default for f in msgspec.structs.fields(Trajectory)}
-    assert defaults["schema_version"] == TRAJECTORY_SCHEMA_VERSION == 1
+    assert defaults["schema_version"] == TRAJECTORY_SCHEMA_VERSION == 2
     assert defaults["reward"] == 0.0
     assert defaults["multimodal"] is None
     assert defaults["num_resumes"] == 0
+    factories = {f.name: f.default_factory for f in msgspec.structs.fields(Trajectory)}
+    assert factories["loss_mask"] is list and factories["turn_starts"] is list
     assert [f.name for f in msgspec.structs.fields(Timings)] == [
         "admitted_at",
         "finished_at",

@@ -136,6 +136,9 @@ class RolloutActor:
             config,
             preprocessor=self._preprocessor,
             on_failure=self._journal,
+            # Multi-turn tasks (`tool`) give an environment per episode and its limits.
+            environment=getattr(task, "environment", None),
+            episode=getattr(task, "episode", None),
         )
         self._lag.reset()  # report the steady state, not the engine start-up
         self._run_task = asyncio.create_task(self._run())

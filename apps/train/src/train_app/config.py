@@ -30,8 +30,9 @@ class TrainConfig:
     """Any local Hugging Face checkpoint. Default: a tiny random-init Qwen2 made in the run dir."""
 
     task: str = "repeat"
-    """Built-in task: `repeat` (prompt `d*k=`, answer d written k times; text) or `shapes`
-    (name the colour of a drawn shape; vision, a tiny Qwen2-VL)."""
+    """Built-in task: `repeat` (prompt `d*k=`, answer d written k times; text), `shapes`
+    (name the colour of a drawn shape; vision, a tiny Qwen2-VL) or `tool` (two turns: call a
+    lookup tool, then answer with its result; multi-turn)."""
 
     corrupt_images: float = 0.0
     """Vision tasks: fraction of dataset images written corrupt or missing (fault drills)."""

@@ -71,10 +71,11 @@ TASKS = {"repeat": RepeatTask}
 
 
 def all_tasks() -> dict[str, Any]:
-    # Imported here: vision.py imports partial_credit from this module.
+    # Imported here: vision.py and tool_task.py import partial_credit from this module.
+    from train_app.tool_task import TOOL_TASKS
     from train_app.vision import VISION_TASKS
 
-    return {**TASKS, **VISION_TASKS}
+    return {**TASKS, **VISION_TASKS, **TOOL_TASKS}
 
 
 def make_task(name: str, tokenizer: Any, **options: Any) -> Task:

@@ -31,7 +31,10 @@ class PackedBatch:
 
     input_ids: torch.Tensor  # [B, L] int64
     attention_mask: torch.Tensor  # [B, L] int64
-    response_mask: torch.Tensor  # [B, L-1] float32, 1 where the target is a response token
+    # [B, L-1] float32, 1 where the target is a generated response token: 0 on the prompt,
+    # the padding and a multi-turn episode's observation tokens (`Trajectory.loss_mask`), so
+    # every loss, metric, token count and GAE sees generated tokens only.
+    response_mask: torch.Tensor
     behav_logp: torch.Tensor  # [B, L-1] float32, engine log-probs (0 off the response)
     advantages: torch.Tensor  # [B] float32 (one per sequence) or [B, L-1] (per token, GAE)
     seq_lens: torch.Tensor  # [B] int64, prompt + response length
@@ -166,7 +169,7 @@ def pack_batch(
             [*traj.prompt_ids, *traj.response_ids], dtype=torch.long
         )
         attention_mask[row, : n_prompt + n_resp] = 1
-        response_mask[row, n_prompt - 1 : n_prompt - 1 + n_resp] = 1.0
+        response_mask[row, n_prompt - 1 : n_prompt - 1 + n_resp] = _loss_mask(traj)
         if n_resp:
             behav_logp[row, n_prompt - 1 : n_prompt - 1 + n_resp] = torch.tensor(
                 traj.behaviour_logprobs, dtype=torch.float32
@@ -184,13 +187,25 @@ def pack_batch(
         on_policy=torch.tensor(
             [
                 current_version is not None
-                and bool(t.token_versions)
-                and all(v == current_version for v in t.token_versions)
+                and bool(t.generated_versions)
+                and all(v == current_version for v in t.generated_versions)
                 for t in trajectories
             ],
             dtype=torch.bool,
         ),
     )
+
+
+def _loss_mask(traj: Trajectory) -> torch.Tensor | float:
+    """1.0 on generated response tokens, 0.0 on observation tokens (multi-turn episodes)."""
+    if not traj.loss_mask:
+        return 1.0
+    if len(traj.loss_mask) != len(traj.response_ids):
+        raise ValueError(
+            f"trajectory {traj.sample_id}: loss_mask has {len(traj.loss_mask)} entries for "
+            f"{len(traj.response_ids)} response tokens"
+        )
+    return torch.tensor(traj.loss_mask, dtype=torch.float32)
 
 
 def _multimodal_inputs(

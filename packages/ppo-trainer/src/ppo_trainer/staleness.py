@@ -9,8 +9,9 @@ __all__ = ["group_staleness", "staleness_metrics"]
 
 
 def group_staleness(group: list[Trajectory], version: int) -> int:
-    """`version - min(token_versions)` over all tokens of the group (0 if it has none)."""
-    versions = [min(t.token_versions) for t in group if t.token_versions]
+    """`version - min(token versions)` over the generated tokens of the group (0 if it has
+    none; a multi-turn episode's observation tokens do not count)."""
+    versions = [t.min_version for t in group if t.generated_versions]
     return version - min(versions) if versions else 0
 
 

@@ -7,6 +7,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from rollout_engine.episode import (
+    Environment,
+    EnvironmentFactory,
+    EpisodeConfig,
+    ModelTurn,
+    StepResult,
+    SyncEnvironment,
+    environment_reward,
+    run_blocking,
+    run_in_process,
+)
 from rollout_engine.rollouter import (
     FailedSample,
     LoopState,
@@ -43,10 +54,14 @@ if TYPE_CHECKING:
 __all__ = [
     "TRAJECTORY_SCHEMA_VERSION",
     "Completion",
+    "Environment",
+    "EnvironmentFactory",
+    "EpisodeConfig",
     "FailedSample",
     "GenerationEngine",
     "GroupSnapshot",
     "LoopState",
+    "ModelTurn",
     "MultiModalPreprocessor",
     "MultiModalRef",
     "PauseMode",
@@ -59,11 +74,16 @@ __all__ = [
     "RolloutStats",
     "Rollouter",
     "SamplingConfig",
+    "StepResult",
+    "SyncEnvironment",
     "Timings",
     "Trajectory",
     "TrajectorySink",
     "VLLMEngine",
+    "environment_reward",
     "load_snapshot",
+    "run_blocking",
+    "run_in_process",
     "save_snapshot",
 ]
 

@@ -46,6 +46,7 @@ import msgspec
 
 from rollout_engine.admission import AdmissionPolicy, PacingName, PacingPolicy, make_pacing
 from rollout_engine.continuation import PartialResponse
+from rollout_engine.episode import EnvironmentFactory, EpisodeConfig, EpisodeRunner
 from rollout_engine.failures import FailureStreak, RepeatedFailureLog, RolloutFailed
 from rollout_engine.group import GroupJob, GroupRunner
 from rollout_engine.metrics import (
@@ -229,6 +230,10 @@ class Rollouter:
     `clock` (monotonic seconds) times the metrics and the pacing estimates.
     `pacing` overrides the policy named by `config.pacing` (any `PacingPolicy`).
 
+    Multi-turn: with `environment` (a factory of one `Environment` per episode), each group
+    member is an episode of up to `episode.max_turns` turns (see `rollout_engine.episode`);
+    admission, staleness and partial rollout are the same as for single-turn groups.
+
     Failed groups: `failures` holds the last `config.recent_failures` `FailedSample`s and
     `failure_counts` the number per error type over the whole run. To keep every one (e.g.
     to append them to a `failures.jsonl`), pass `on_failure`: it is called with each
@@ -247,6 +252,8 @@ class Rollouter:
         clock: Callable[[], float] = time.monotonic,
         pacing: PacingPolicy | None = None,
         on_failure: Callable[[FailedSample], None] | None = None,
+        environment: EnvironmentFactory | None = None,
+        episode: EpisodeConfig | None = None,
     ) -> None:
         self._engine = engine
         self._sink = sink
@@ -301,7 +308,7 @@ class Rollouter:
         self._run_started = False
         self._reward_pool: ThreadPoolExecutor | None = None
         self._prompt_pool: ThreadPoolExecutor | None = None
-        self._groups = GroupRunner(
+        self._groups: GroupRunner | EpisodeRunner = GroupRunner(
             engine,
             reward_fn,
             group_size=config.group_size,
@@ -312,6 +319,19 @@ class Rollouter:
             clock=clock,
             reward_executor=self._reward_executor,
         )
+        if environment is not None:
+            self._groups = EpisodeRunner(
+                engine,
+                reward_fn,
+                environment,
+                config=episode if episode is not None else EpisodeConfig(),
+                group_size=config.group_size,
+                sampling=config.sampling,
+                wait_until_resumed=self._weights_live.wait,
+                on_resubmit=self._count_resubmit,
+                clock=clock,
+                reward_executor=self._reward_executor,
+            )
 
     # ------------------------------------------------------------------ public API
 
@@ -356,6 +376,8 @@ class Rollouter:
             for pool in (self._reward_pool, self._prompt_pool):
                 if pool is not None:
                     pool.shutdown(wait=False, cancel_futures=True)
+            if isinstance(self._groups, EpisodeRunner):
+                self._groups.close()  # its tool pool
         stats = self.stats()
         logger.info(
             "rollout %s: %d admitted, %d delivered, %d failed, %d dropped",
@@ -785,7 +807,7 @@ class Rollouter:
 
     def _staleness(self, job: GroupJob, trajectories: list[Trajectory]) -> tuple[int, ...]:
         return tuple(
-            self._admission.staleness(self._version, t.token_versions, job.version)
+            self._admission.staleness(self._version, t.generated_versions, job.version)
             for t in trajectories
         )
 
@@ -795,8 +817,8 @@ class Rollouter:
         return GroupOutcome(
             delivered=not self._admission.too_stale(max(staleness, default=0)),
             staleness=staleness,
-            generated_tokens=sum(len(t.response_ids) for t in trajectories),
-            partial=count_partial([t.token_versions for t in trajectories]),
+            generated_tokens=sum(t.num_generated for t in trajectories),
+            partial=count_partial([t.generated_versions for t in trajectories]),
         )
 
     async def _count_resubmit(self) -> None:

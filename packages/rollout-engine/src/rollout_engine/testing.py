@@ -47,6 +47,7 @@ __all__ = [
     "FakeEngineConfig",
     "GenerateCall",
     "ListSink",
+    "burn_cpu",
     "make_prompts",
     "wait_until",
 ]
@@ -367,6 +368,17 @@ async def _first_of(*events: asyncio.Event) -> None:
     finally:
         for waiter in waiters:
             waiter.cancel()
+
+
+def burn_cpu(seconds: float) -> int:
+    """Pure-Python busy work (it holds the GIL) for `seconds` of the calling thread's CPU
+    time: a stand-in for a CPU-heavy tool. Module-level, so `run_in_process` can run it."""
+    start = time.thread_time()
+    x = 0
+    while time.thread_time() - start < seconds:
+        for i in range(1000):
+            x = (x * 31 + i) % 1_000_003
+    return x
 
 
 def _digest(tokens: list[int]) -> int:
