@@ -129,6 +129,7 @@ def run(
     may change the plan before anything starts, e.g. put a FakeEngine in the replicas."""
     config.validate()
     console = console or Console()
+    started = time.monotonic()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_signals_raise())
         run_dir = prepare_run_dir(config)
@@ -140,7 +141,8 @@ def run(
             run_plan = adjust_plan(run_plan)
         console.print(_startup_line(config, run_dir))
         stopper = _Stopper(console)
-        result = asyncio.run(_drive(config, run_plan, console, stopper))
+        prepare_s = time.monotonic() - started  # run dir, model, tokenizer, plan
+        result = asyncio.run(_drive(config, run_plan, console, stopper, prepare_s))
     if result is None:  # a signal stopped the run (one after the end changes nothing)
         raise RunInterrupted(stopper.signum or signal.SIGINT, stopper.outcome)
     return result
@@ -290,7 +292,11 @@ class _Stopper:
 
 
 async def _drive(
-    config: TrainConfig, run_plan: RunPlan, console: Console, stopper: _Stopper
+    config: TrainConfig,
+    run_plan: RunPlan,
+    console: Console,
+    stopper: _Stopper,
+    prepare_s: float = 0.0,
 ) -> RunResult | None:
     """The run on the event loop; None when a signal stopped it (`stopper.signum`)."""
     import ray
@@ -303,7 +309,7 @@ async def _drive(
         started_ray = _start_ray(config, run_plan)
         stopper.install()  # ray.init replaced SIGTERM's handler with one that aborts
         session = _Session(config, run_plan, console, stopper)
-        session.timings["ray_s"] = time.monotonic() - t0
+        session.timings.update(prepare_s=prepare_s, ray_s=time.monotonic() - t0)
         try:
             result: RunResult | None = await session.run()
         except asyncio.CancelledError:
@@ -403,7 +409,10 @@ class _Session:
         self.writer: MetricsWriter | None = None
         self.records: list[dict[str, Any]] = []
         self.rollout_metrics: dict[str, Any] = {}
-        # Seconds of each start-up phase (summary.json's `startup`).
+        # Seconds of each start-up phase (summary.json's `startup`): prepare (run dir, model,
+        # plan), ray (start or join), actors (engines and trainer model load side by side;
+        # engine and trainer_load are each one's own), to_training (all of that), first_step
+        # (from train() to the first metrics row), first_push (its weight sync).
         self.timings: dict[str, float] = {}
 
     async def run(self) -> RunResult:
@@ -420,7 +429,8 @@ class _Session:
         train_s = time.monotonic() - train_started
         await self._collect_metrics()
         await self._write_failures()
-        self.timings["total_s"] = train_started - t0 + self.timings.get("ray_s", 0.0)
+        before = self.timings.get("prepare_s", 0.0) + self.timings.get("ray_s", 0.0)
+        self.timings["to_training_s"] = before + train_started - t0
         return self._finish(trainer_summary, train_s)
 
     async def _start_actors(self) -> None:
@@ -487,6 +497,7 @@ class _Session:
                 await self._collect_metrics()
                 if len(self.records) > first and "first_step_s" not in self.timings:
                     self.timings["first_step_s"] = time.monotonic() - started
+                    self.timings["first_push_s"] = self.records[first].get("weights/sync_s", 0)
                 progress.update(bar, completed=len(self.records), info=self._progress_info())
                 for replica, ref in enumerate(rollout_refs):
                     if ref in done and ref.exception() is not None:
@@ -552,7 +563,7 @@ class _Session:
         summary = {
             "run_dir": str(self.run_dir),
             "steps": len(self.records),
-            "startup_s": round(self.timings.get("total_s", 0.0), 1),
+            "startup_s": round(self.timings.get("to_training_s", 0.0), 1),
             "train_wall_s": round(train_s, 1),
             "reward_first_tenth": statistics.fmean(rewards[:tenth]) if rewards else float("nan"),
             "reward_last_tenth": statistics.fmean(rewards[-tenth:]) if rewards else float("nan"),
