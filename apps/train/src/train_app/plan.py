@@ -36,6 +36,7 @@ __all__ = [
     "TrainerPlan",
     "plan",
     "queue_maxsize",
+    "ray_num_cpus",
     "split_batch",
 ]
 
@@ -126,6 +127,11 @@ def split_batch(batch_size: int, replicas: int) -> list[int]:
         )
     base, extra = divmod(batch_size, replicas)
     return [base + (1 if i < extra else 0) for i in range(replicas)]
+
+
+def ray_num_cpus(config: TrainConfig) -> int:
+    """CPUs of a local Ray cluster: one per rollout actor and one for the trainer."""
+    return max(2, config.rollout_replicas + 1)
 
 
 def queue_maxsize(config: TrainConfig) -> int:
@@ -226,7 +232,7 @@ def plan(
         queue_maxsize=queue_maxsize(config),
         replicas=replicas,
         trainer=trainer,
-        ray_num_cpus=max(2, config.rollout_replicas + 1),
+        ray_num_cpus=ray_num_cpus(config),
         steps=config.steps,
         resume=resume,
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -40,7 +41,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from train_app.config import TrainConfig, to_toml
 from train_app.outputs import MetricsWriter, plot_run, print_summary
-from train_app.plan import MAX_MODEL_LEN_CAP, ResumePoint, RunPlan, plan
+from train_app.plan import MAX_MODEL_LEN_CAP, ResumePoint, RunPlan, plan, ray_num_cpus
 from train_app.replica_metrics import aggregate_replica_metrics
 
 logger = logging.getLogger(__name__)
@@ -129,20 +130,20 @@ def run(
     may change the plan before anything starts, e.g. put a FakeEngine in the replicas."""
     config.validate()
     console = console or Console()
-    started = time.monotonic()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_signals_raise())
         run_dir = prepare_run_dir(config)
+        console.print(_startup_line(config, run_dir))
         stack.enter_context(capture_driver_logs(run_dir, verbose=config.verbose))
         os.environ.update({k: v for k, v in worker_env(config).items() if k not in os.environ})
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((run_dir / ".inductor").resolve()))
-        run_plan = make_plan(config, run_dir, ensure_model(config, run_dir))
-        if adjust_plan is not None:
-            run_plan = adjust_plan(run_plan)
-        console.print(_startup_line(config, run_dir))
+
+        def prepare() -> RunPlan:
+            run_plan = make_plan(config, run_dir, ensure_model(config, run_dir))
+            return run_plan if adjust_plan is None else adjust_plan(run_plan)
+
         stopper = _Stopper(console)
-        prepare_s = time.monotonic() - started  # run dir, model, tokenizer, plan
-        result = asyncio.run(_drive(config, run_plan, console, stopper, prepare_s))
+        result = asyncio.run(_drive(config, run_dir, prepare, console, stopper))
     if result is None:  # a signal stopped the run (one after the end changes nothing)
         raise RunInterrupted(stopper.signum or signal.SIGINT, stopper.outcome)
     return result
@@ -162,35 +163,66 @@ def worker_env(config: TrainConfig) -> dict[str, str]:
 
 @contextlib.contextmanager
 def capture_driver_logs(run_dir: Path, verbose: bool) -> Iterator[None]:
-    """The driver's own log records (INFO and up) go to `logs/driver.log`; the terminal keeps
-    WARNING and up (everything with `--verbose`), and Python warnings become log records so
-    library deprecation notices land in the file, not over the progress bar."""
+    """The driver's own log records (INFO and up) go to `logs/driver.log`. The terminal keeps
+    warnings of this app, but Ray's and transformers' loggers (which print through handlers
+    of their own), Python warnings and transformers' progress bars go only to the file,
+    unless `verbose`. Everything is restored on exit."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    root, warnings_logger = logging.getLogger(), logging.getLogger("py.warnings")
     handler = logging.FileHandler(logs / "driver.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    streams = [h for h in root.handlers if type(h) is logging.StreamHandler]
-    saved = (root.level, [h.level for h in streams], warnings_logger.propagate)
+    root = logging.getLogger()
+    saved_level = root.level
     root.addHandler(handler)
     root.setLevel(logging.INFO)
-    for stream in streams:
-        stream.setLevel(logging.INFO if verbose else logging.WARNING)
-    if not verbose:
-        logging.captureWarnings(True)
-        warnings_logger.propagate = False
-        warnings_logger.addHandler(handler)
+    with contextlib.ExitStack() as restore:
+        restore.callback(root.setLevel, saved_level)
+        restore.callback(root.removeHandler, handler)
+        restore.callback(handler.close)
+        if not verbose:
+            for stream in (h for h in root.handlers if type(h) is logging.StreamHandler):
+                restore.callback(stream.setLevel, stream.level)
+                stream.setLevel(logging.WARNING)
+            for name in ("ray", "transformers", "py.warnings"):
+                restore.enter_context(_to_file_only(logging.getLogger(name), handler))
+            logging.captureWarnings(True)
+            restore.callback(logging.captureWarnings, False)
+            restore.enter_context(_no_transformers_progress_bars())
+        yield
+
+
+@contextlib.contextmanager
+def _to_file_only(target: logging.Logger, handler: logging.Handler) -> Iterator[None]:
+    """`target`'s records go to `handler`; its own terminal handlers show errors only.
+    Ray and transformers attach those handlers at import, so they are imported here."""
+    if target.name in ("ray", "transformers"):
+        importlib.import_module(target.name)
+    own = [(h, h.level) for h in target.handlers]
+    propagate = target.propagate
+    for own_handler, _ in own:
+        own_handler.setLevel(logging.ERROR)
+    target.addHandler(handler)
+    target.propagate = False
     try:
         yield
     finally:
-        logging.captureWarnings(False)
-        warnings_logger.removeHandler(handler)
-        root.removeHandler(handler)
-        handler.close()
-        root.setLevel(saved[0])
-        for stream, level in zip(streams, saved[1], strict=True):
-            stream.setLevel(level)
-        warnings_logger.propagate = saved[2]
+        target.removeHandler(handler)
+        target.propagate = propagate
+        for own_handler, level in own:
+            own_handler.setLevel(level)
+
+
+@contextlib.contextmanager
+def _no_transformers_progress_bars() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def read_model_facts(model_dir: Path) -> tuple[int, int | None]:
@@ -293,12 +325,15 @@ class _Stopper:
 
 async def _drive(
     config: TrainConfig,
-    run_plan: RunPlan,
+    run_dir: Path,
+    prepare: Callable[[], RunPlan],
     console: Console,
     stopper: _Stopper,
-    prepare_s: float = 0.0,
 ) -> RunResult | None:
-    """The run on the event loop; None when a signal stopped it (`stopper.signum`)."""
+    """The run on the event loop; None when a signal stopped it (`stopper.signum`).
+
+    `prepare` (make the model, read it, plan) runs in a thread while Ray starts here: both
+    take seconds and need nothing from each other."""
     import ray
 
     stopper.install()
@@ -306,10 +341,15 @@ async def _drive(
     session: _Session | None = None
     try:
         t0 = time.monotonic()
-        started_ray = _start_ray(config, run_plan)
+        planned = asyncio.get_running_loop().run_in_executor(None, _timed, prepare)
+        started_ray = _start_ray(config, run_dir / "logs")
+        ray_s = time.monotonic() - t0
         stopper.install()  # ray.init replaced SIGTERM's handler with one that aborts
+        run_plan, prepare_s = await planned
         session = _Session(config, run_plan, console, stopper)
-        session.timings.update(prepare_s=prepare_s, ray_s=time.monotonic() - t0)
+        session.timings.update(
+            prepare_s=prepare_s, ray_s=ray_s, prepare_and_ray_s=time.monotonic() - t0
+        )
         try:
             result: RunResult | None = await session.run()
         except asyncio.CancelledError:
@@ -335,13 +375,18 @@ async def _drive(
             stopper.uninstall()
 
 
+def _timed(fn: Callable[[], RunPlan]) -> tuple[RunPlan, float]:
+    t0 = time.monotonic()
+    return fn(), time.monotonic() - t0
+
+
 def _uncancel() -> None:
     task = asyncio.current_task()
     if task is not None:
         task.uncancel()
 
 
-def _start_ray(config: TrainConfig, run_plan: RunPlan) -> bool:
+def _start_ray(config: TrainConfig, logs: Path) -> bool:
     """Join `--ray-address` or start a local cluster (True: this run started it, and shuts it
     down). Actors' output reaches the terminal only with `--verbose`; otherwise each actor
     writes its own file in `logs/` and `logs/ray` links to Ray's session logs."""
@@ -359,9 +404,9 @@ def _start_ray(config: TrainConfig, run_plan: RunPlan) -> bool:
         ray.init(address=config.ray_address, **options)
         started = False
     else:
-        _start_local_ray(num_cpus=run_plan.ray_num_cpus, options=options)
+        _start_local_ray(num_cpus=ray_num_cpus(config), options=options)
         started = True
-    _link_ray_logs(Path(run_plan.trainer.run_dir) / "logs")
+    _link_ray_logs(logs)
     return started
 
 
@@ -409,10 +454,11 @@ class _Session:
         self.writer: MetricsWriter | None = None
         self.records: list[dict[str, Any]] = []
         self.rollout_metrics: dict[str, Any] = {}
-        # Seconds of each start-up phase (summary.json's `startup`): prepare (run dir, model,
-        # plan), ray (start or join), actors (engines and trainer model load side by side;
-        # engine and trainer_load are each one's own), to_training (all of that), first_step
-        # (from train() to the first metrics row), first_push (its weight sync).
+        # Seconds of each start-up phase (summary.json's `startup`): prepare (model, plan)
+        # and ray (start or join) side by side, prepare_and_ray (both); actors (engines and
+        # the trainer's model load side by side; engine and trainer_load are each one's
+        # own); to_training (all of that); first_step (from train() to the first metrics
+        # row) and first_push (its weight sync).
         self.timings: dict[str, float] = {}
 
     async def run(self) -> RunResult:
@@ -429,7 +475,7 @@ class _Session:
         train_s = time.monotonic() - train_started
         await self._collect_metrics()
         await self._write_failures()
-        before = self.timings.get("prepare_s", 0.0) + self.timings.get("ray_s", 0.0)
+        before = self.timings.get("prepare_and_ray_s", 0.0)
         self.timings["to_training_s"] = before + train_started - t0
         return self._finish(trainer_summary, train_s)
 
