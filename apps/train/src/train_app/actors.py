@@ -12,15 +12,16 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
 
+from train_app.plan import ReplicaPlan, TrainerPlan
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["RolloutActor", "RolloutSpec", "TrainerActor", "TrainerSpec"]
+__all__ = ["RolloutActor", "TrainerActor"]
 
 
 def _limit_threads(cpu: int | None) -> None:
@@ -33,48 +34,54 @@ def _limit_threads(cpu: int | None) -> None:
             logger.warning("could not pin to core %d", cpu)
 
 
-@dataclass(frozen=True)
-class RolloutSpec:
-    model_dir: str
-    task: str
-    seed: int
-    replica: int
-    replicas: int
-    batch_size: int
-    group_size: int
-    max_concurrency: int
-    sync_every: int
-    max_staleness: int
-    pacing: str
-    partial_rollout: bool
-    pause_mode: str
-    max_tokens: int
-    temperature: float
-    initial_version: int = 0
-    skip_prompt_ids: frozenset[str] = field(default_factory=frozenset)
-    cpu: int | None = None
-    task_options: dict[str, Any] = field(default_factory=dict)
-    # Every failed group is appended here (JSONL; see train_app.failure_log); None: not kept.
-    failures_path: str | None = None
+def _capture_output(log_dir: str | None, name: str) -> None:
+    """Send this process's stdout and stderr (vLLM's, torch's and transformers' logs, Python
+    warnings, and any child process made later) to `log_dir/name.log` instead of Ray's
+    worker logs, which the driver would echo on the terminal. At the file-descriptor level,
+    so native code's output goes there too."""
+    if log_dir is None:
+        return
+    import sys
+
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    fd = os.open(Path(log_dir) / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+async def _make_engine(config: Any) -> Any:
+    """The engine of a replica plan: a `VLLMEngine`, or (tests only) a `FakeEngine`."""
+    from rollout_engine.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+    if isinstance(config, VLLMEngineConfig):
+        return await VLLMEngine.create(config)
+    from rollout_engine.testing import FakeEngine, FakeEngineConfig
+
+    if isinstance(config, FakeEngineConfig):
+        return FakeEngine(config)
+    raise TypeError(f"unknown engine config {type(config).__name__}")
 
 
 @ray.remote(max_concurrency=64, max_restarts=0)
 class RolloutActor:
-    """One vLLM engine and the `Rollouter` that feeds the queue from it."""
+    """One engine and the `Rollouter` that feeds the queue from it (see `ReplicaPlan`)."""
 
-    def __init__(self, spec: RolloutSpec, queue: Any) -> None:
-        _limit_threads(spec.cpu)
-        self._spec = spec
+    def __init__(self, plan: ReplicaPlan, queue: Any) -> None:
+        _capture_output(plan.log_dir, f"rollout{plan.replica}")
+        _limit_threads(plan.cpu)
+        self._plan = plan
         self._queue = queue
         self._run_task: asyncio.Task[Any] | None = None
         self._stale_drops_seen = 0
 
     async def start(self) -> float:
-        """Start the engine (tens of seconds on CPU) and the rollout loop; returns startup s."""
+        """Start the engine (tens of seconds on CPU) and the rollout loop; returns the
+        engine's start-up seconds."""
         from mm_preprocess import EventLoopLagMonitor
-        from rollout_engine import Rollouter, SamplingConfig, VLLMEngine
-        from rollout_engine.rollouter import RolloutConfig
-        from rollout_engine.vllm_engine import VLLMEngineConfig
+        from rollout_engine import Rollouter
         from transformers import AutoTokenizer
 
         from train_app.tasks import make_task
@@ -85,55 +92,31 @@ class RolloutActor:
         )
         from train_app.wiring import QueueTrajectorySink
 
-        spec = self._spec
+        plan = self._plan
         self._lag = EventLoopLagMonitor()
         await self._lag.start()
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, spec.model_dir)
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, plan.model_dir)
         # A vision task writes its PNG dataset when built: file work, so off the loop.
-        task = await asyncio.to_thread(make_task, spec.task, tokenizer, **spec.task_options)
-        self._engine = await VLLMEngine.create(
-            VLLMEngineConfig(
-                model=spec.model_dir,
-                seed=spec.seed + spec.replica,
-                max_model_len=await asyncio.to_thread(_max_model_len, spec.model_dir),
-                max_num_seqs=max(64, spec.max_concurrency * spec.group_size),
-                initial_version=spec.initial_version,
-            )
-        )
-        config = RolloutConfig(
-            group_size=spec.group_size,
-            max_concurrency=spec.max_concurrency,
-            # Each replica admits its share of a trainer batch.
-            batch_size=max(1, spec.batch_size // spec.replicas),
-            sync_every=spec.sync_every,
-            max_staleness=spec.max_staleness,
-            pacing=spec.pacing,  # type: ignore[arg-type]
-            partial_rollout=spec.partial_rollout,
-            pause_mode=spec.pause_mode,  # type: ignore[arg-type]
-            sampling=SamplingConfig(
-                max_tokens=spec.max_tokens,
-                temperature=spec.temperature,
-                stop_token_ids=(tokenizer.eos_token_id,),
-            ),
-        )
+        task = await asyncio.to_thread(make_task, plan.task, tokenizer, **plan.task_options)
+        self._engine = await _make_engine(plan.engine)
         engine: Any = self._engine
         self._preprocessor = None
-        if is_vision_task(spec.task):
+        if is_vision_task(plan.task):
             # Images are decoded and resized in VisionPreprocessor's bounded thread pool.
             self._preprocessor = make_vision_preprocessor(task.settings)
             await self._preprocessor.warmup()
             engine = ImagePlaceholderEngine(self._engine, task.image_token_id)
         self._journal = None
-        if spec.failures_path is not None:
+        if plan.failures_path is not None:
             from train_app.failure_log import FailureJournal
 
-            self._journal = FailureJournal(spec.failures_path, replica=spec.replica)
+            self._journal = FailureJournal(plan.failures_path, replica=plan.replica)
         self._rollouter = Rollouter(
             engine,
-            _fresh_prompts(task.prompts(spec.seed * 1000 + spec.replica), spec.skip_prompt_ids),
+            _fresh_prompts(task.prompts(plan.prompt_seed), plan.skip_prompt_ids),
             QueueTrajectorySink(self._queue),
             task.reward,
-            config,
+            plan.rollout,
             preprocessor=self._preprocessor,
             on_failure=self._journal,
             # Multi-turn tasks (`tool`) give an environment per episode and its limits.
@@ -142,7 +125,7 @@ class RolloutActor:
         )
         self._lag.reset()  # report the steady state, not the engine start-up
         self._run_task = asyncio.create_task(self._run())
-        return self._engine.startup_s
+        return float(getattr(self._engine, "startup_s", 0.0))
 
     async def _run(self) -> dict[str, Any]:
         try:
@@ -176,7 +159,7 @@ class RolloutActor:
         except Exception:  # a failing queue is reported by the driver
             return
         total = stats.dropped.get("stale", 0)
-        n, i = self._spec.replicas, self._spec.replica
+        n, i = self._plan.replicas, self._plan.replica
         share = (total - i + n - 1) // n if total > i else 0
         if share > self._stale_drops_seen:
             self._rollouter.on_downstream_drop(share - self._stale_drops_seen)
@@ -214,14 +197,6 @@ class RolloutActor:
             await asyncio.to_thread(self._journal.close)
 
 
-def _max_model_len(model_dir: str, cap: int = 2048) -> int:
-    import json
-
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    text_config = config.get("text_config", config)
-    return min(cap, int(text_config.get("max_position_embeddings", cap)))
-
-
 def _process_tree() -> list[int]:
     import psutil
 
@@ -234,52 +209,74 @@ def _fresh_prompts(prompts: Iterator[Any], skip: frozenset[str]) -> Iterator[Any
     return (p for p in prompts if p.prompt_id not in skip)
 
 
-@dataclass(frozen=True)
-class TrainerSpec:
-    model_dir: str
-    run_dir: str
-    steps: int
-    batch_size: int
-    group_size: int
-    max_staleness: int
-    sync_every: int
-    lr: float
-    lr_schedule: str
-    ppo_epochs: int
-    clip_eps: float
-    is_cap: float
-    is_level: str
-    is_mode: str
-    temperature: float
-    seed: int
-    checkpoint_every: int
-    advantage: str = "grpo"
-    resume_from: str | None = None
-    cpu: int | None = None
-    vision: bool = False
-
-
 @ray.remote(max_concurrency=16, max_restarts=0)
 class TrainerActor:
     """Runs `PPOTrainer` on batches from the queue and pushes weights to the rollouters."""
 
-    def __init__(self, spec: TrainerSpec, queue: Any, rollout_actors: list[Any]) -> None:
-        _limit_threads(spec.cpu)
+    def __init__(self, plan: TrainerPlan, queue: Any, rollout_actors: list[Any]) -> None:
+        _capture_output(plan.log_dir, "trainer")
+        _limit_threads(plan.cpu)
         import torch
 
         torch.set_num_threads(1)
-        self._spec = spec
+        self._plan = plan
         self._queue = queue
         self._rollout_actors = rollout_actors
         self._records: list[tuple[int, dict[str, Any]]] = []
         self._train_started: float | None = None
         self._stop_requested = False
+        self._setup_lock = asyncio.Lock()
 
     def log(self, metrics: dict[str, Any], step: int) -> None:  # MetricsSink
         # `trainer/wall_s`: seconds since training began (after the model load), so time to
         # a target reward compares sync and async runs on the same footing.
         wall_s = time.monotonic() - self._train_started if self._train_started else 0.0
         self._records.append((step, {**metrics, "trainer/wall_s": wall_s}))
+
+    async def setup(self) -> float:
+        """Load the model (and the checkpoint of a resumed run) and build the trainer; returns
+        the seconds it took. Needs no engine, so the driver runs it while the engines start;
+        `train()` calls it if the driver did not."""
+        async with self._setup_lock:
+            if hasattr(self, "_trainer"):
+                return 0.0
+            t0 = time.monotonic()
+            await self._build_trainer()
+            return time.monotonic() - t0
+
+    async def _build_trainer(self) -> None:
+        from mm_preprocess import EventLoopLagMonitor
+        from ppo_trainer import PPOTrainer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from train_app.wiring import RolloutWeightSink
+
+        plan = self._plan
+        self._lag = EventLoopLagMonitor()
+        await self._lag.start()
+        mm_inputs_fn = None
+        if plan.vision:
+            from train_app.vision import VisionInputsFn
+            from train_app.vision_model import load_vision_policy
+
+            model = await asyncio.to_thread(load_vision_policy, plan.model_dir)
+            mm_inputs_fn = VisionInputsFn(plan.model_dir)
+        else:
+            model = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, plan.model_dir)
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, plan.model_dir)
+        self._sink = RolloutWeightSink(self._rollout_actors)
+        self._trainer = PPOTrainer(
+            model,
+            plan.ppo,
+            weight_sink=self._sink,
+            metrics_sink=self,
+            mm_inputs_fn=mm_inputs_fn,
+            pad_token_id=tokenizer.pad_token_id or 0,
+        )
+        if self._stop_requested:  # stop() came while the model was loading
+            self._trainer.stop()
+        if plan.resume_from:
+            await self._trainer.load_checkpoint(plan.resume_from)
 
     async def train(self) -> dict[str, Any]:
         """Train to `steps` or until `stop()`; returns the summary, the consumed group ids and
@@ -288,74 +285,28 @@ class TrainerActor:
         A checkpoint is saved at the end (also after `stop()`) unless the last step already
         wrote one or no step was taken, so the last checkpoint is always at the last step."""
         from async_queue import QueueClosed
-        from mm_preprocess import EventLoopLagMonitor
-        from ppo_trainer import PPOConfig, PPOTrainer, export_weights
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from ppo_trainer import export_weights
 
-        from train_app.wiring import QueueBatchSource, RolloutWeightSink
+        from train_app.wiring import QueueBatchSource
 
-        spec = self._spec
-        self._lag = EventLoopLagMonitor()
-        await self._lag.start()
-        mm_inputs_fn = None
-        if spec.vision:
-            from train_app.vision import VisionInputsFn
-            from train_app.vision_model import load_vision_policy
-
-            model = await asyncio.to_thread(load_vision_policy, spec.model_dir)
-            mm_inputs_fn = VisionInputsFn(spec.model_dir)
-        else:
-            model = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, spec.model_dir)
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, spec.model_dir)
-        checkpoints = Path(spec.run_dir) / "checkpoints"
-        config = PPOConfig(
-            lr=spec.lr,
-            lr_schedule=spec.lr_schedule,  # type: ignore[arg-type]
-            min_lr_ratio=0.1,
-            batch_size=spec.batch_size,
-            ppo_epochs=spec.ppo_epochs,
-            advantage=spec.advantage,  # type: ignore[arg-type]
-            clip_eps=spec.clip_eps,
-            is_cap=spec.is_cap,
-            is_level=spec.is_level,  # type: ignore[arg-type]  # validated by PPOConfig
-            is_mode=spec.is_mode,  # type: ignore[arg-type]
-            temperature=spec.temperature,
-            total_steps=spec.steps,
-            sync_every=spec.sync_every,
-            max_staleness=spec.max_staleness,
-            seed=spec.seed,
-            max_grad_norm=1.0,
-            checkpoint_dir=str(checkpoints),
-            checkpoint_every=spec.checkpoint_every,
-        )
-        sink = RolloutWeightSink(self._rollout_actors)
-        self._trainer = PPOTrainer(
-            model,
-            config,
-            weight_sink=sink,
-            metrics_sink=self,
-            mm_inputs_fn=mm_inputs_fn,
-            pad_token_id=tokenizer.pad_token_id or 0,
-        )
-        if self._stop_requested:  # stop() came while the model was loading
-            self._trainer.stop()
+        await self.setup()
+        plan = self._plan
         skip: tuple[str, ...] = ()
-        if spec.resume_from:
-            await self._trainer.load_checkpoint(spec.resume_from)
+        if plan.resume_from:
             skip = self._trainer.consumed_group_ids
             # The engines started from the initial weights: give them the checkpoint's.
             weights = await asyncio.to_thread(export_weights, self._trainer.model)
-            await sink.push_weights(weights, self._trainer.version)
-        source = QueueBatchSource(self._queue, spec.max_staleness, skip_ids=skip)
+            await self._sink.push_weights(weights, self._trainer.version)
+        source = QueueBatchSource(self._queue, plan.ppo.max_staleness, skip_ids=skip)
         self._train_started = time.monotonic()
         start_step = self._trainer.step
         summary = await self._trainer.train(source, end_of_stream=(QueueClosed,))
-        step, every = self._trainer.step, spec.checkpoint_every
+        step, every = self._trainer.step, plan.ppo.checkpoint_every
         checkpoint_step = (step // every) * every if every else None  # saved by the loop
         if checkpoint_step is not None and checkpoint_step <= start_step:
             checkpoint_step = None  # (before this call)
         if step > start_step and checkpoint_step != step:
-            await self._save_final(checkpoints)
+            await self._save_final(Path(plan.run_dir) / "checkpoints")
             checkpoint_step = step
         await self._lag.stop()
         return {

@@ -89,7 +89,14 @@ class TrainConfig:
     """Adam learning rate (peak)."""
 
     lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
-    """Learning-rate decay over `steps` (to a tenth of `lr`); decay steadies the late steps."""
+    """Learning-rate decay over `steps` (to `min-lr-ratio` of `lr`); decay steadies the late
+    steps."""
+
+    min_lr_ratio: float = 0.1
+    """Floor of the learning-rate decay, as a fraction of `lr`."""
+
+    max_grad_norm: float | None = 1.0
+    """Clip the gradient's global norm to this (unset in a TOML file: no clipping)."""
 
     ppo_epochs: int = 2
     """Optimisation passes over each batch."""
@@ -127,6 +134,10 @@ class TrainConfig:
     progress: bool = True
     """Show the live progress bar."""
 
+    verbose: bool = False
+    """Show every log line of vLLM, Ray and transformers on the terminal (by default they go
+    to `runs/<name>/logs/` and the terminal shows the progress bar and the summary)."""
+
     @property
     def effective_staleness(self) -> int:
         return 0 if self.mode == "sync" else self.max_staleness
@@ -142,6 +153,15 @@ class TrainConfig:
                 raise ValueError(f"--{field.replace('_', '-')} must be at least 1")
         if self.max_staleness < 0:
             raise ValueError("--max-staleness must be >= 0")
+        if self.rollout_replicas > self.batch_size:
+            raise ValueError(
+                f"--rollout-replicas {self.rollout_replicas} is more than --batch-size "
+                f"{self.batch_size}: each replica admits a share of a batch, at least one group"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError("--min-lr-ratio must be in [0, 1]")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError("--max-grad-norm must be > 0")
         if not 0.0 <= self.corrupt_images < 1.0:
             raise ValueError("--corrupt-images must be in [0, 1)")
         from train_app.tasks import all_tasks

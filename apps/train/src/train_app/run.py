@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -40,6 +41,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from train_app.config import TrainConfig, to_toml
 from train_app.outputs import MetricsWriter, plot_run, print_summary
+from train_app.plan import MAX_MODEL_LEN_CAP, ResumePoint, RunPlan, plan, ray_num_cpus
+from train_app.replica_metrics import aggregate_replica_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -116,21 +119,135 @@ def ensure_model(config: TrainConfig, run_dir: Path) -> Path:
     return build_tiny_qwen2(run_dir / "model", seed=config.seed).resolve()
 
 
-def run(config: TrainConfig, console: Console | None = None) -> RunResult:
+def run(
+    config: TrainConfig,
+    console: Console | None = None,
+    *,
+    adjust_plan: Callable[[RunPlan], RunPlan] | None = None,
+) -> RunResult:
     """Run training to the end; raises `RunFailed` with the cause if an actor fails and
-    `RunInterrupted` after SIGINT / SIGTERM (see the module doc)."""
+    `RunInterrupted` after SIGINT / SIGTERM (see the module doc). `adjust_plan` (tests only)
+    may change the plan before anything starts, e.g. put a FakeEngine in the replicas."""
     config.validate()
     console = console or Console()
-    with _signals_raise():
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_signals_raise())
         run_dir = prepare_run_dir(config)
-        os.environ.update({k: v for k, v in WORKER_ENV.items() if k not in os.environ})
+        console.print(_startup_line(config, run_dir))
+        stack.enter_context(capture_driver_logs(run_dir, verbose=config.verbose))
+        os.environ.update({k: v for k, v in worker_env(config).items() if k not in os.environ})
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((run_dir / ".inductor").resolve()))
-        model_dir = ensure_model(config, run_dir)
+
+        def prepare() -> RunPlan:
+            run_plan = make_plan(config, run_dir, ensure_model(config, run_dir))
+            return run_plan if adjust_plan is None else adjust_plan(run_plan)
+
         stopper = _Stopper(console)
-        result = asyncio.run(_drive(config, run_dir, model_dir, console, stopper))
+        result = asyncio.run(_drive(config, run_dir, prepare, console, stopper))
     if result is None:  # a signal stopped the run (one after the end changes nothing)
         raise RunInterrupted(stopper.signum or signal.SIGINT, stopper.outcome)
     return result
+
+
+def _startup_line(config: TrainConfig, run_dir: Path) -> str:
+    replicas = config.rollout_replicas
+    engines = f"{replicas} vLLM engine{'s' if replicas > 1 else ''}"
+    logs = "logs on the terminal" if config.verbose else f"logs in {run_dir / 'logs'}"
+    return f"[bold]{run_dir.name}[/]: {config.task}, {config.mode}, {engines}; {logs}"
+
+
+def worker_env(config: TrainConfig) -> dict[str, str]:
+    """Environment of every actor process (`--verbose`: vLLM logs at INFO)."""
+    return {**WORKER_ENV, "VLLM_LOGGING_LEVEL": "INFO" if config.verbose else "WARNING"}
+
+
+@contextlib.contextmanager
+def capture_driver_logs(run_dir: Path, verbose: bool) -> Iterator[None]:
+    """The driver's own log records (INFO and up) go to `logs/driver.log`. The terminal keeps
+    warnings of this app, but Ray's and transformers' loggers (which print through handlers
+    of their own), Python warnings and transformers' progress bars go only to the file,
+    unless `verbose`. Everything is restored on exit."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(logs / "driver.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    saved_level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    with contextlib.ExitStack() as restore:
+        restore.callback(root.setLevel, saved_level)
+        restore.callback(root.removeHandler, handler)
+        restore.callback(handler.close)
+        if not verbose:
+            for stream in (h for h in root.handlers if type(h) is logging.StreamHandler):
+                restore.callback(stream.setLevel, stream.level)
+                stream.setLevel(logging.WARNING)
+            for name in ("ray", "transformers", "py.warnings"):
+                restore.enter_context(_to_file_only(logging.getLogger(name), handler))
+            logging.captureWarnings(True)
+            restore.callback(logging.captureWarnings, False)
+            restore.enter_context(_no_transformers_progress_bars())
+        yield
+
+
+@contextlib.contextmanager
+def _to_file_only(target: logging.Logger, handler: logging.Handler) -> Iterator[None]:
+    """`target`'s records go to `handler`; its own terminal handlers show errors only.
+    Ray and transformers attach those handlers at import, so they are imported here."""
+    if target.name in ("ray", "transformers"):
+        importlib.import_module(target.name)
+    own = [(h, h.level) for h in target.handlers]
+    propagate = target.propagate
+    for own_handler, _ in own:
+        own_handler.setLevel(logging.ERROR)
+    target.addHandler(handler)
+    target.propagate = False
+    try:
+        yield
+    finally:
+        target.removeHandler(handler)
+        target.propagate = propagate
+        for own_handler, level in own:
+            own_handler.setLevel(level)
+
+
+@contextlib.contextmanager
+def _no_transformers_progress_bars() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def read_model_facts(model_dir: Path) -> tuple[int, int | None]:
+    """(max_position_embeddings, tokenizer EOS id) of a local HF checkpoint."""
+    from transformers import AutoTokenizer
+
+    config = json.loads((model_dir / "config.json").read_text())
+    text_config = config.get("text_config", config)
+    max_positions = int(text_config.get("max_position_embeddings", MAX_MODEL_LEN_CAP))
+    return max_positions, AutoTokenizer.from_pretrained(str(model_dir)).eos_token_id
+
+
+def make_plan(config: TrainConfig, run_dir: Path, model_dir: Path) -> RunPlan:
+    """`plan()` with what it needs from the disk: the model's facts and the resume point."""
+    max_positions, eos = read_model_facts(model_dir)
+    return plan(
+        config,
+        model_dir=model_dir,
+        run_dir=run_dir.resolve(),
+        max_position_embeddings=max_positions,
+        eos_token_id=eos,
+        resume=_resume_point(config, run_dir),
+        cpu_count=os.cpu_count() or 1,
+        capture_logs=not config.verbose,
+    )
 
 
 @contextlib.contextmanager
@@ -207,27 +324,32 @@ class _Stopper:
 
 
 async def _drive(
-    config: TrainConfig, run_dir: Path, model_dir: Path, console: Console, stopper: _Stopper
+    config: TrainConfig,
+    run_dir: Path,
+    prepare: Callable[[], RunPlan],
+    console: Console,
+    stopper: _Stopper,
 ) -> RunResult | None:
-    """The run on the event loop; None when a signal stopped it (`stopper.signum`)."""
+    """The run on the event loop; None when a signal stopped it (`stopper.signum`).
+
+    `prepare` (make the model, read it, plan) runs in a thread while Ray starts here: both
+    take seconds and need nothing from each other."""
     import ray
 
     stopper.install()
     started_ray = False
     session: _Session | None = None
     try:
-        if not ray.is_initialized():
-            env = {
-                **WORKER_ENV,
-                "TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"],
-            }
-            if config.ray_address:
-                ray.init(address=config.ray_address, runtime_env={"env_vars": env})
-            else:
-                _start_local_ray(num_cpus=max(2, config.rollout_replicas + 1), env=env)
-                started_ray = True
+        t0 = time.monotonic()
+        planned = asyncio.get_running_loop().run_in_executor(None, _timed, prepare)
+        started_ray = _start_ray(config, run_dir / "logs")
+        ray_s = time.monotonic() - t0
         stopper.install()  # ray.init replaced SIGTERM's handler with one that aborts
-        session = _Session(config, run_dir, model_dir, console, stopper)
+        run_plan, prepare_s = await planned
+        session = _Session(config, run_plan, console, stopper)
+        session.timings.update(
+            prepare_s=prepare_s, ray_s=ray_s, prepare_and_ray_s=time.monotonic() - t0
+        )
         try:
             result: RunResult | None = await session.run()
         except asyncio.CancelledError:
@@ -253,25 +375,49 @@ async def _drive(
             stopper.uninstall()
 
 
+def _timed(fn: Callable[[], RunPlan]) -> tuple[RunPlan, float]:
+    t0 = time.monotonic()
+    return fn(), time.monotonic() - t0
+
+
 def _uncancel() -> None:
     task = asyncio.current_task()
     if task is not None:
         task.uncancel()
 
 
-def _start_local_ray(num_cpus: int, env: dict[str, str], attempts: int = 3) -> None:
+def _start_ray(config: TrainConfig, logs: Path) -> bool:
+    """Join `--ray-address` or start a local cluster (True: this run started it, and shuts it
+    down). Actors' output reaches the terminal only with `--verbose`; otherwise each actor
+    writes its own file in `logs/` and `logs/ray` links to Ray's session logs."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    env = {**worker_env(config), "TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]}
+    options: dict[str, Any] = {
+        "runtime_env": {"env_vars": env},
+        "log_to_driver": config.verbose,
+        "logging_level": logging.INFO if config.verbose else logging.WARNING,
+    }
+    if config.ray_address:
+        ray.init(address=config.ray_address, **options)
+        started = False
+    else:
+        _start_local_ray(num_cpus=ray_num_cpus(config), options=options)
+        started = True
+    _link_ray_logs(logs)
+    return started
+
+
+def _start_local_ray(num_cpus: int, options: dict[str, Any], attempts: int = 3) -> None:
     """Start a local cluster; retried because Ray's raylet gives its metrics agent a fixed
     15 s to start, which a heavily loaded 2-core machine can miss."""
     import ray
 
     for attempt in range(1, attempts + 1):
         try:
-            ray.init(
-                num_cpus=num_cpus,
-                include_dashboard=False,
-                runtime_env={"env_vars": env},
-                logging_level=logging.WARNING,
-            )
+            ray.init(num_cpus=num_cpus, include_dashboard=False, **options)
             return
         except Exception as exc:
             if "timed out during startup" not in str(exc) or attempt == attempts:
@@ -280,141 +426,103 @@ def _start_local_ray(num_cpus: int, env: dict[str, str], attempts: int = 3) -> N
             ray.shutdown()
 
 
+def _link_ray_logs(logs: Path) -> None:
+    """`logs/ray` -> this Ray session's log directory (raylet, GCS, workers' own files)."""
+    try:
+        import ray
+
+        session_logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+        link = logs / "ray"
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(session_logs)
+    except Exception as exc:  # a convenience only; Ray's internals may move
+        logger.info("no link to Ray's logs: %r", exc)
+
+
 class _Session:
-    """One run's actors and outputs."""
+    """One run's actors and outputs: create, start, watch, finish, shut down."""
 
     def __init__(
-        self,
-        config: TrainConfig,
-        run_dir: Path,
-        model_dir: Path,
-        console: Console,
-        stopper: _Stopper,
-    ):
-        self.config, self.run_dir, self.model_dir, self.console = (
-            config,
-            run_dir,
-            model_dir,
-            console,
-        )
-        self.stopper = stopper
+        self, config: TrainConfig, run_plan: RunPlan, console: Console, stopper: _Stopper
+    ) -> None:
+        self.config, self.plan, self.console, self.stopper = config, run_plan, console, stopper
+        self.run_dir = Path(run_plan.trainer.run_dir)
         self.rollouts: list[Any] = []
         self.trainer: Any = None
         self.queue: Any = None
         self.writer: MetricsWriter | None = None
         self.records: list[dict[str, Any]] = []
         self.rollout_metrics: dict[str, Any] = {}
+        # Seconds of each start-up phase (summary.json's `startup`): prepare (model, plan)
+        # and ray (start or join) side by side, prepare_and_ray (both); actors (engines and
+        # the trainer's model load side by side; engine and trainer_load are each one's
+        # own); to_training (all of that); first_step (from train() to the first metrics
+        # row) and first_push (its weight sync).
+        self.timings: dict[str, float] = {}
 
     async def run(self) -> RunResult:
-        from async_queue import MessageQueueClient
-
-        from train_app.actors import RolloutActor, RolloutSpec, TrainerActor, TrainerSpec
-        from train_app.vision import is_vision_task
-
-        c = self.config
-        pin = c.rollout_replicas == 1 and (os.cpu_count() or 1) >= 2 and not c.ray_address
-        resume = _resume_state(c, self.run_dir)
-        resume_ckpt, resume_version, consumed = resume.checkpoint, resume.version, resume.prompts
+        t0 = time.monotonic()
         # A resumed run continues from its checkpoint's step: history after it is rewound.
-        self.writer = MetricsWriter(self.run_dir, resume_step=resume.step)
+        self.writer = MetricsWriter(self.run_dir, resume_step=self.plan.resume.step)
         self.records = list(self.writer.kept)
-        k = c.effective_staleness
-        self.queue = MessageQueueClient.create(
-            maxsize=(k + 2) * c.batch_size, actor_options={"num_cpus": 0}
-        )
-        self.rollouts = [
-            RolloutActor.options(num_cpus=1).remote(
-                RolloutSpec(
-                    model_dir=str(self.model_dir),
-                    task=c.task,
-                    seed=c.seed,
-                    replica=i,
-                    replicas=c.rollout_replicas,
-                    batch_size=c.batch_size,
-                    group_size=c.group_size,
-                    max_concurrency=c.max_concurrency,
-                    sync_every=c.sync_every,
-                    max_staleness=k,
-                    pacing=c.pacing,
-                    partial_rollout=c.effective_partial_rollout,
-                    pause_mode=c.pause_mode,
-                    max_tokens=c.max_tokens,
-                    temperature=c.temperature,
-                    initial_version=resume_version,
-                    skip_prompt_ids=frozenset(consumed),
-                    cpu=0 if pin else None,
-                    task_options=_task_options(c, self.run_dir),
-                    failures_path=str((self.run_dir / "failures.jsonl").resolve()),
-                ),
-                self.queue,
-            )
-            for i in range(c.rollout_replicas)
-        ]
+        self.queue = _create_queue(self.plan)
+        self.rollouts = _create_rollouters(self.plan, self.queue)
+        self.trainer = _create_trainer(self.plan, self.queue, self.rollouts)
+        await self._start_actors()
+        train_started = time.monotonic()
+        trainer_summary = await self._train()
+        train_s = time.monotonic() - train_started
+        await self._collect_metrics()
+        await self._write_failures()
+        before = self.timings.get("prepare_and_ray_s", 0.0)
+        self.timings["to_training_s"] = before + train_started - t0
+        return self._finish(trainer_summary, train_s)
+
+    async def _start_actors(self) -> None:
+        """Start every engine and load the trainer's model at the same time (they need
+        nothing from each other); write the process ids to actors.json."""
         t0 = time.monotonic()
         with self.console.status("starting vLLM (tens of seconds on CPU)..."):
-            startup = await asyncio.gather(*(r.start.remote() for r in self.rollouts))
-        logger.info("engines up in %.1f s (%s)", time.monotonic() - t0, startup)
-        rollout_pids = await asyncio.gather(*(r.pids.remote() for r in self.rollouts))
-        self.trainer = TrainerActor.options(num_cpus=1).remote(
-            TrainerSpec(
-                model_dir=str(self.model_dir),
-                run_dir=str(self.run_dir.resolve()),
-                steps=c.steps,
-                batch_size=c.batch_size,
-                group_size=c.group_size,
-                max_staleness=k,
-                sync_every=c.sync_every,
-                lr=c.lr,
-                lr_schedule=c.lr_schedule,
-                ppo_epochs=c.ppo_epochs,
-                clip_eps=c.clip_eps,
-                is_cap=c.is_cap,
-                is_level=c.is_level,
-                is_mode=c.is_mode,
-                temperature=c.temperature,
-                seed=c.seed,
-                checkpoint_every=c.checkpoint_every,
-                advantage=c.advantage,
-                resume_from=resume_ckpt,
-                cpu=1 if pin else None,
-                vision=is_vision_task(c.task),
-            ),
-            self.queue,
-            self.rollouts,
-        )
-        trainer_pids = await self.trainer.pids.remote()
-        (self.run_dir / "actors.json").write_text(
-            json.dumps(
-                {
-                    "driver": os.getpid(),
-                    "rollout": [p[0] for p in rollout_pids],
-                    "engine": [pid for p in rollout_pids for pid in p[1:]],
-                    "trainer": trainer_pids[0],
-                }
+            engines, trainer_load_s = await asyncio.gather(
+                asyncio.gather(*(_await(r.start.remote()) for r in self.rollouts)),
+                _await(self.trainer.setup.remote()),
             )
+        self.timings.update(
+            actors_s=time.monotonic() - t0, engine_s=max(engines), trainer_load_s=trainer_load_s
         )
-        train_started = time.monotonic()
+        logger.info("actors up in %.1f s (engines %s s)", self.timings["actors_s"], engines)
+        await self._write_pids()
+
+    async def _write_pids(self) -> None:
+        rollout_pids = await asyncio.gather(*(_await(r.pids.remote()) for r in self.rollouts))
+        trainer_pids = await _await(self.trainer.pids.remote())
+        pids = {
+            "driver": os.getpid(),
+            "rollout": [p[0] for p in rollout_pids],
+            "engine": [pid for p in rollout_pids for pid in p[1:]],
+            "trainer": trainer_pids[0],
+        }
+        (self.run_dir / "actors.json").write_text(json.dumps(pids))
+
+    async def _train(self) -> dict[str, Any]:
+        """Train while watching every actor; returns the trainer's summary."""
+        started = time.monotonic()
         train_ref = asyncio.ensure_future(_await(self.trainer.train.remote()))
         self.stopper.graceful = self._stop_training
         rollout_refs = [asyncio.ensure_future(_await(r.wait.remote())) for r in self.rollouts]
         for ref in rollout_refs:  # their end after a clean stop is not news
             ref.add_done_callback(lambda f: f.cancelled() or f.exception())
-        trainer_summary = await self._watch(train_ref, rollout_refs)
+        summary = await self._watch(train_ref, rollout_refs, started)
         self.stopper.graceful = None  # training is over: a signal now just stops the actors
-        train_s = time.monotonic() - train_started
         if self.stopper.signum is not None:
-            step = trainer_summary.get("checkpoint_step")
+            step = summary.get("checkpoint_step")
             self.stopper.outcome = (
                 f"checkpoint at step {step} saved (continue with --resume {self.run_dir})"
                 if step is not None
                 else "no new step since the last checkpoint; nothing to save"
             )
-        await self._collect_metrics()
-        failures = await asyncio.gather(*(_await(r.failures.remote()) for r in self.rollouts))
-        (self.run_dir / "failures.json").write_text(
-            json.dumps([f for replica in failures for f in replica], indent=1)
-        )
-        return self._finish(trainer_summary, train_s, startup_s=train_started - t0)
+        return summary
 
     def _stop_training(self) -> bool:
         """First SIGINT/SIGTERM while training: the trainer finishes its step, checkpoints
@@ -422,39 +530,45 @@ class _Session:
         self.trainer.stop.remote()  # fire and forget: train()'s end is the answer
         return True
 
-    async def _watch(self, train_ref: asyncio.Future, rollout_refs: list[asyncio.Future]) -> Any:
-        c = self.config
-        with _progress(self.console, c.progress) as progress:
-            task = progress.add_task("training", total=c.steps, info="")
+    async def _watch(
+        self, train_ref: asyncio.Future, rollout_refs: list[asyncio.Future], started: float
+    ) -> Any:
+        """Poll metrics and actor health until the trainer returns; a failed actor ends the
+        run with its cause (a dead producer first fails the queue, so the trainer stops)."""
+        first = len(self.records)
+        with _progress(self.console, self.config.progress) as progress:
+            bar = progress.add_task("training", total=self.plan.steps, info="")
             while True:
                 done, _ = await asyncio.wait({train_ref, *rollout_refs}, timeout=POLL_S)
                 await self._collect_metrics()
-                progress.update(task, completed=len(self.records), info=self._progress_info())
+                if len(self.records) > first and "first_step_s" not in self.timings:
+                    self.timings["first_step_s"] = time.monotonic() - started
+                    self.timings["first_push_s"] = self.records[first].get("weights/sync_s", 0)
+                progress.update(bar, completed=len(self.records), info=self._progress_info())
                 for replica, ref in enumerate(rollout_refs):
                     if ref in done and ref.exception() is not None:
-                        # A dead producer: fail the stream (the trainer's next read raises
-                        # ProducerFailed) and end the run with the cause.
                         cause = ref.exception()
                         await _quietly(self.queue.close(error=f"rollouter failed: {cause}"))
                         raise RunFailed(f"rollouter {replica} failed: {cause}") from cause
                 if train_ref in done:
                     if train_ref.exception() is not None:
-                        raise RunFailed(f"trainer failed: {train_ref.exception()}") from (
-                            train_ref.exception()
-                        )
+                        cause = train_ref.exception()
+                        raise RunFailed(f"trainer failed: {cause}") from cause
                     return await train_ref  # already done
 
     async def _collect_metrics(self) -> None:
+        """Rollout metrics of every replica (aggregated), the queue's, and the trainer's new
+        per-step records; one row per trainer step goes to the writer."""
         if self.trainer is None:
             return
+        replies = await asyncio.gather(
+            *(asyncio.wait_for(_await(r.metrics.remote()), 5) for r in self.rollouts),
+            return_exceptions=True,
+        )
+        if not any(isinstance(r, BaseException) for r in replies):  # else keep the last ones
+            self.rollout_metrics = aggregate_replica_metrics(replies)
         try:
-            rollout = await asyncio.wait_for(_await(self.rollouts[0].metrics.remote()), 5)
-            self.rollout_metrics = rollout
-        except Exception:  # a dead rollouter is reported by _watch; keep the last metrics
-            pass
-        try:
-            queue_stats = await asyncio.wait_for(self.queue.stats(), 5)
-            queue_metrics = queue_stats.as_metrics()
+            queue_metrics = (await asyncio.wait_for(self.queue.stats(), 5)).as_metrics()
         except Exception:
             queue_metrics = {}
         try:
@@ -467,6 +581,12 @@ class _Session:
             self.writer.log(record, step)
             self.records.append({"step": step, **record})
 
+    async def _write_failures(self) -> None:
+        failures = await asyncio.gather(*(_await(r.failures.remote()) for r in self.rollouts))
+        (self.run_dir / "failures.json").write_text(
+            json.dumps([f for replica in failures for f in replica], indent=1)
+        )
+
     def _progress_info(self) -> str:
         if not self.records:
             return "waiting for the first batch"
@@ -477,7 +597,7 @@ class _Session:
             f"{last.get('tokens/s', 0):,.0f} tok/s  queue {last.get('queue/size', 0):.0f}"
         )
 
-    def _finish(self, trainer_summary: Any, train_s: float, startup_s: float) -> RunResult:
+    def _finish(self, trainer_summary: Any, train_s: float) -> RunResult:
         assert self.writer is not None
         self.writer.close()
         consumed = trainer_summary.get("consumed_group_ids", [])
@@ -489,7 +609,7 @@ class _Session:
         summary = {
             "run_dir": str(self.run_dir),
             "steps": len(self.records),
-            "startup_s": round(startup_s, 1),
+            "startup_s": round(self.timings.get("to_training_s", 0.0), 1),
             "train_wall_s": round(train_s, 1),
             "reward_first_tenth": statistics.fmean(rewards[:tenth]) if rewards else float("nan"),
             "reward_last_tenth": statistics.fmean(rewards[-tenth:]) if rewards else float("nan"),
@@ -503,14 +623,16 @@ class _Session:
         if self.stopper.signum is not None:
             summary["interrupted_by"] = signal.Signals(self.stopper.signum).name
             summary["checkpoint_step"] = trainer_summary.get("checkpoint_step")
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        full = {**summary, "startup": {k: round(v, 2) for k, v in self.timings.items()}}
+        (self.run_dir / "summary.json").write_text(json.dumps(full, indent=2))
         print_summary(summary, self.console)
-        return RunResult(self.run_dir, summary)
+        return RunResult(self.run_dir, full)
 
     async def shutdown(self) -> None:
         """Stop engines and actors; safe to call after a failure or Ctrl-C."""
-        for actor in self.rollouts:
-            await _quietly(asyncio.wait_for(_await(actor.stop.remote()), 20))
+        await asyncio.gather(
+            *(_quietly(asyncio.wait_for(_await(a.stop.remote()), 20)) for a in self.rollouts)
+        )
         if self.queue is not None:
             await _quietly(asyncio.wait_for(self.queue.close(), 5))
         self.kill()
@@ -527,32 +649,31 @@ class _Session:
             self.writer.close()
 
 
-def _task_options(config: TrainConfig, run_dir: Path) -> dict[str, Any]:
-    from train_app.vision import is_vision_task
+def _create_queue(run_plan: RunPlan) -> Any:
+    """The queue actor between the rollouters and the trainer (no CPU of its own)."""
+    from async_queue import MessageQueueClient
 
-    if not is_vision_task(config.task):
-        return {}
-    return {
-        "image_dir": str((run_dir / "images").resolve()),
-        "corrupt_fraction": config.corrupt_images,
-    }
+    return MessageQueueClient.create(maxsize=run_plan.queue_maxsize, actor_options={"num_cpus": 0})
 
 
-@dataclass(frozen=True)
-class _Resume:
-    """Where a resumed run continues: its checkpoint, step, policy version, and the prompt
-    ids consumed before (None / 0 / empty for a new run)."""
+def _create_rollouters(run_plan: RunPlan, queue: Any) -> list[Any]:
+    """One rollout actor per replica plan (one CPU each); nothing starts until `start()`."""
+    from train_app.actors import RolloutActor
 
-    checkpoint: str | None = None
-    step: int | None = None
-    version: int = 0
-    prompts: tuple[str, ...] = ()
+    return [RolloutActor.options(num_cpus=1).remote(r, queue) for r in run_plan.replicas]
 
 
-def _resume_state(config: TrainConfig, run_dir: Path) -> _Resume:
+def _create_trainer(run_plan: RunPlan, queue: Any, rollouts: list[Any]) -> Any:
+    """The trainer actor (one CPU); it pushes weights to every rollouter."""
+    from train_app.actors import TrainerActor
+
+    return TrainerActor.options(num_cpus=1).remote(run_plan.trainer, queue, rollouts)
+
+
+def _resume_point(config: TrainConfig, run_dir: Path) -> ResumePoint:
     """The checkpoint of a run to resume (its `latest`), read without torch."""
     if config.resume is None:
-        return _Resume()
+        return ResumePoint()
     from ppo_trainer import read_checkpoint_meta
 
     checkpoint = run_dir / "checkpoints" / "latest"
@@ -560,8 +681,8 @@ def _resume_state(config: TrainConfig, run_dir: Path) -> _Resume:
         raise RunFailed(f"--resume {run_dir}: no checkpoint in {checkpoint.parent}")
     meta = read_checkpoint_meta(checkpoint)
     # Group ids are "<prompt id>:<admission counter>"; the prompt stream skips by prompt id.
-    prompts = tuple(group_id.rsplit(":", 1)[0] for group_id in meta.consumed_group_ids)
-    return _Resume(str(checkpoint.resolve()), meta.step, meta.version, prompts)
+    prompts = frozenset(group_id.rsplit(":", 1)[0] for group_id in meta.consumed_group_ids)
+    return ResumePoint(str(checkpoint.resolve()), meta.step, meta.version, prompts)
 
 
 async def _await(ref: Any) -> Any:

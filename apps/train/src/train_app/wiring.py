@@ -10,14 +10,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import ray
-import torch
 from async_queue import MessageQueueClient, QueueItem
 from ppo_trainer import Trajectory as TrainerTrajectory
 from rollout_engine import Trajectory as RolloutTrajectory
+
+if TYPE_CHECKING:  # the rollout actors import this module and need no torch
+    import torch
 
 __all__ = ["QueueBatchSource", "QueueTrajectorySink", "RolloutWeightSink"]
 

@@ -1,0 +1,255 @@
+"""`plan(TrainConfig) -> RunPlan`: every package's configuration of a run, in one place.
+
+The command line (`TrainConfig`) says what the user wants; this module turns it into the
+exact configuration objects the packages take: the queue's size, one `RolloutConfig` and one
+`VLLMEngineConfig` per rollout replica, the trainer's `PPOConfig`. Every hyperparameter a run
+uses is either a `TrainConfig` field or a named constant below; the actors only read their
+plan. `plan` is pure (no Ray, no torch, no file access): what it needs from the disk (the
+model's directory and context length, the resume point) is passed in.
+
+How the batch is split. The trainer consumes `batch_size` groups per step; replica `i`
+admits `shares[i]` of them per weight version, where the shares differ by at most one and sum
+to `batch_size` (the remainder goes to the first replicas). Each replica's admission budget
+is `(k + 1 + v) * shares[i] - ...`, so the replicas together admit exactly
+`(k + 1 + v) * batch_size`: the trainer is never short of a batch (a lost remainder made
+`--rollout-replicas 3 --batch-size 16` stall) and never runs more than k versions ahead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ppo_trainer import PPOConfig
+from rollout_engine import SamplingConfig
+from rollout_engine.rollouter import RolloutConfig
+from rollout_engine.vllm_engine import VLLMEngineConfig
+
+from train_app.config import TrainConfig
+
+__all__ = [
+    "MAX_MODEL_LEN_CAP",
+    "ReplicaPlan",
+    "ResumePoint",
+    "RunPlan",
+    "TrainerPlan",
+    "plan",
+    "queue_maxsize",
+    "ray_num_cpus",
+    "split_batch",
+]
+
+# Context length given to vLLM: the model's own, capped (a tiny model's KV cache stays small).
+MAX_MODEL_LEN_CAP = 2048
+# Sequences vLLM schedules at once: at least every response of every group in flight.
+MIN_ENGINE_SEQS = 64
+# Queue head-room in batches beyond the k + 1 versions admission may fill: a put never
+# blocks in the normal case, and a burst of deliveries after a push fits.
+QUEUE_SPARE_BATCHES = 1
+# Keep the last checkpoints on disk (older ones are deleted when a new one is written).
+KEEP_CHECKPOINTS = 2
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run continues (defaults: a new run): its checkpoint directory, step,
+    policy version and the prompt ids it already trained on."""
+
+    checkpoint: str | None = None
+    step: int | None = None
+    version: int = 0
+    consumed_prompt_ids: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """Everything one rollout actor needs: its engine, its rollouter and its prompts."""
+
+    replica: int
+    """Index of this replica (0-based)."""
+    replicas: int
+    """How many replicas share the queue (each takes its share of the queue's drops)."""
+    model_dir: str
+    task: str
+    task_options: dict[str, Any]
+    """Keyword arguments of the task's constructor (a vision task's image directory)."""
+    prompt_seed: int
+    """Seed of this replica's prompt stream (distinct per replica: no prompt twice)."""
+    skip_prompt_ids: frozenset[str]
+    """Prompts consumed before a resume; the stream skips them."""
+    rollout: RolloutConfig
+    engine: Any
+    """The engine's configuration: a `VLLMEngineConfig` (tests may put a
+    `rollout_engine.testing.FakeEngineConfig` here; the app never does)."""
+    cpu: int | None
+    """Pin the actor (and its in-process engine) to this core; None: no pinning."""
+    log_dir: str | None
+    """Write this actor's stdout and stderr (vLLM's logs) here; None: leave them to Ray."""
+    failures_path: str | None = None
+    """Append every failed group here (JSONL, see `train_app.failure_log`); None: not kept."""
+
+
+@dataclass(frozen=True)
+class TrainerPlan:
+    """Everything the trainer actor needs."""
+
+    model_dir: str
+    run_dir: str
+    ppo: PPOConfig
+    vision: bool
+    """Load the model as a Qwen2-VL policy and rebuild pixel inputs for the forward."""
+    resume_from: str | None
+    cpu: int | None
+    log_dir: str | None
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The whole run: queue, rollout replicas, trainer, and the Ray cluster's size."""
+
+    queue_maxsize: int
+    replicas: tuple[ReplicaPlan, ...]
+    trainer: TrainerPlan
+    ray_num_cpus: int
+    """CPUs of a local Ray cluster: one per rollout actor and one for the trainer."""
+    steps: int
+    resume: ResumePoint = field(default_factory=ResumePoint)
+
+
+def split_batch(batch_size: int, replicas: int) -> list[int]:
+    """Groups per trainer batch each replica admits: shares differ by at most one and sum to
+    `batch_size`; every share is at least 1 (so `replicas <= batch_size`)."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    if replicas > batch_size:
+        raise ValueError(
+            f"--rollout-replicas {replicas} is more than --batch-size {batch_size}: every "
+            "replica must admit at least one group per trainer batch"
+        )
+    base, extra = divmod(batch_size, replicas)
+    return [base + (1 if i < extra else 0) for i in range(replicas)]
+
+
+def ray_num_cpus(config: TrainConfig) -> int:
+    """CPUs of a local Ray cluster: one per rollout actor and one for the trainer."""
+    return max(2, config.rollout_replicas + 1)
+
+
+def queue_maxsize(config: TrainConfig) -> int:
+    """Admission keeps at most k + 1 batches ahead of the trainer; one more is head-room."""
+    return (config.effective_staleness + 1 + QUEUE_SPARE_BATCHES) * config.batch_size
+
+
+def plan(
+    config: TrainConfig,
+    *,
+    model_dir: Path | str = "model",
+    run_dir: Path | str = "run",
+    max_position_embeddings: int = MAX_MODEL_LEN_CAP,
+    eos_token_id: int | None = None,
+    resume: ResumePoint | None = None,
+    cpu_count: int = 2,
+    capture_logs: bool = True,
+) -> RunPlan:
+    """Every package configuration of `config` (validated first).
+
+    `model_dir`, `max_position_embeddings` and `eos_token_id` describe the model (read from
+    its files by the caller), `resume` the checkpoint to continue from, `cpu_count` the
+    machine (with exactly one replica on a local machine of 2+ cores, the engine is pinned to
+    core 0 and the trainer to core 1). `capture_logs=False` (`--verbose`) leaves every
+    actor's output on the terminal instead of `run_dir/logs/`."""
+    config.validate()
+    resume = resume or ResumePoint()
+    k = config.effective_staleness
+    shares = split_batch(config.batch_size, config.rollout_replicas)
+    pin = config.rollout_replicas == 1 and cpu_count >= 2 and not config.ray_address
+    run_dir = Path(run_dir)
+    log_dir = str(run_dir / "logs") if capture_logs else None
+    sampling = SamplingConfig(
+        max_tokens=config.max_tokens,
+        temperature=config.temperature,
+        stop_token_ids=() if eos_token_id is None else (eos_token_id,),
+    )
+    replicas = tuple(
+        ReplicaPlan(
+            replica=i,
+            replicas=len(shares),
+            model_dir=str(model_dir),
+            task=config.task,
+            task_options=_task_options(config, run_dir),
+            prompt_seed=config.seed * 1000 + i,
+            skip_prompt_ids=resume.consumed_prompt_ids,
+            rollout=RolloutConfig(
+                group_size=config.group_size,
+                max_concurrency=config.max_concurrency,
+                batch_size=share,
+                sync_every=config.sync_every,
+                max_staleness=k,
+                pacing=config.pacing,
+                partial_rollout=config.effective_partial_rollout,
+                pause_mode=config.pause_mode,
+                sampling=sampling,
+            ),
+            engine=VLLMEngineConfig(
+                model=str(model_dir),
+                seed=config.seed + i,
+                max_model_len=min(MAX_MODEL_LEN_CAP, max_position_embeddings),
+                max_num_seqs=max(MIN_ENGINE_SEQS, config.max_concurrency * config.group_size),
+                initial_version=resume.version,
+            ),
+            cpu=0 if pin else None,
+            log_dir=log_dir,
+            failures_path=str((run_dir / "failures.jsonl").resolve()),
+        )
+        for i, share in enumerate(shares)
+    )
+    trainer = TrainerPlan(
+        model_dir=str(model_dir),
+        run_dir=str(run_dir),
+        ppo=PPOConfig(
+            lr=config.lr,
+            lr_schedule=config.lr_schedule,
+            min_lr_ratio=config.min_lr_ratio,
+            total_steps=config.steps,
+            max_grad_norm=config.max_grad_norm,
+            batch_size=config.batch_size,
+            ppo_epochs=config.ppo_epochs,
+            advantage=config.advantage,
+            clip_eps=config.clip_eps,
+            is_cap=config.is_cap,
+            is_level=config.is_level,
+            is_mode=config.is_mode,
+            temperature=config.temperature,
+            sync_every=config.sync_every,
+            max_staleness=k,
+            seed=config.seed,
+            checkpoint_dir=str(run_dir / "checkpoints"),
+            checkpoint_every=config.checkpoint_every,
+            keep_checkpoints=KEEP_CHECKPOINTS,
+        ),
+        vision=_is_vision_task(config.task),
+        resume_from=resume.checkpoint,
+        cpu=1 if pin else None,
+        log_dir=log_dir,
+    )
+    return RunPlan(
+        queue_maxsize=queue_maxsize(config),
+        replicas=replicas,
+        trainer=trainer,
+        ray_num_cpus=ray_num_cpus(config),
+        steps=config.steps,
+        resume=resume,
+    )
+
+
+def _is_vision_task(name: str) -> bool:
+    from train_app.vision import is_vision_task
+
+    return is_vision_task(name)
+
+
+def _task_options(config: TrainConfig, run_dir: Path) -> dict[str, Any]:
+    if not _is_vision_task(config.task):
+        return {}
+    return {"image_dir": str(run_dir / "images"), "corrupt_fraction": config.corrupt_images}
