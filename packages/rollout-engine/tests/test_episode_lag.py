@@ -150,9 +150,11 @@ async def _probe_run(make_env: object, prompts: int, episode: EpisodeConfig) -> 
 
 
 TOOLS = {
-    # 2 groups x 2 episodes x 2 steps = 8 tool calls = 1.6 s of CPU in 2 processes/threads.
-    "pure-python-in-processes": (ProcessTool, EpisodeConfig(max_turns=2, tool_processes=2)),
-    "native-in-threads": (NativeTool, EpisodeConfig(max_turns=2, tool_workers=2)),
+    # 2 groups x 2 episodes x 2 steps = 8 tool calls = 1.6 s of CPU in 1 process/thread: on a
+    # 2-core machine one core stays free for the loop (two burning workers would take both,
+    # and the loop would wait for a core whatever it does).
+    "pure-python-in-processes": (ProcessTool, EpisodeConfig(max_turns=2, tool_processes=1)),
+    "native-in-threads": (NativeTool, EpisodeConfig(max_turns=2, tool_workers=1)),
 }
 
 

@@ -236,7 +236,13 @@ class _Episode:
 
 class EpisodeRunner:
     """Turns a `GroupJob` into `group_size` scored episodes (the rollouter's group runner
-    when it is given an environment factory). `close()` shuts the tool pool down."""
+    when it is given an environment factory). `close()` shuts the tool pool down.
+
+    Snapshots (`rollout_engine.snapshot`) do not carry episodes: `responses_of` is always
+    None, so an episode in flight at a snapshot is restored as a fresh admission of its
+    prompt (its generated tokens are discarded, never delivered twice).
+    `wait_engine_quiet()` returns once no engine call of any episode is outstanding.
+    """
 
     def __init__(
         self,
@@ -252,7 +258,7 @@ class EpisodeRunner:
         clock: Callable[[], float],
         reward_executor: Callable[[], Executor],
     ) -> None:
-        self._engine = engine
+        self._engine = _CountingEngine(engine)
         self._reward_fn = reward_fn
         self._environment = environment
         self._config = config
@@ -264,6 +270,15 @@ class EpisodeRunner:
         self._reward_executor = reward_executor
         self._pool: ThreadPoolExecutor | None = None
         self._processes: ProcessPoolExecutor | None = None
+
+    def responses_of(self, group_id: str) -> None:
+        return None
+
+    def forget(self, group_id: str) -> None:
+        return None
+
+    async def wait_engine_quiet(self) -> None:
+        await self._engine.quiet.wait()
 
     def close(self) -> None:
         for pool in (self._pool, self._processes):
@@ -444,3 +459,30 @@ class EpisodeRunner:
                 max_workers=self._config.tool_workers, thread_name_prefix="rollout-tools"
             )
         return self._pool
+
+
+class _CountingEngine:
+    """The engine with its outstanding `generate` calls counted (`quiet` is set at zero)."""
+
+    def __init__(self, engine: GenerationEngine) -> None:
+        self._inner = engine
+        self._calls = 0
+        self.quiet = asyncio.Event()
+        self.quiet.set()
+
+    @property
+    def version(self) -> int:
+        return self._inner.version
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        self._calls += 1
+        self.quiet.clear()
+        try:
+            return await self._inner.generate(*args, **kwargs)
+        finally:
+            self._calls -= 1
+            if self._calls == 0:
+                self.quiet.set()
