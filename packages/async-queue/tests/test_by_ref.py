@@ -41,7 +41,9 @@ def plasma_objects() -> int:
     """Objects in the object store of this (one-node) cluster, from Ray's memory summary."""
     from ray._private.internal_api import memory_summary
 
-    summary = memory_summary(stats_only=True)
+    # Our own cluster's address: other Ray clusters may run on this machine.
+    address = ray.get_runtime_context().gcs_address
+    summary = memory_summary(address=address, stats_only=True)
     found = re.search(r"Plasma memory usage .*?, (\d+) objects", summary)
     assert found, summary
     return int(found.group(1))
