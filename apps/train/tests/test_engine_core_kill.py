@@ -62,8 +62,10 @@ def _alive(process: psutil.Process) -> bool:
 
 def test_killed_engine_core_fails_the_run_with_the_cause_within_30_s(tmp_path: Path) -> None:
     """Costs ~100-400 s: Ray and vLLM start, a few steps, the kill, the failure and the
-    shutdown of the rest. Measured 393 s on the shared 2-core machine (other jobs running);
-    the run exited 1 14.3 s after the kill, 3 steps in."""
+    shutdown of the rest. Measured on the shared 2-core machine: 393 s (exit 1 14.3 s after
+    the kill, 3 steps in, 32 EngineDeadError groups journaled: the rollouter gave up first)
+    and 262 s (exit 1 22.8 s after the kill, 5 steps in: a weight push into the dead engine
+    failed the trainer first)."""
     run_dir = tmp_path / "engine-core-killed"
     proc = subprocess.Popen(
         [
@@ -117,13 +119,17 @@ def test_killed_engine_core_fails_the_run_with_the_cause_within_30_s(tmp_path: P
     assert proc.returncode != 0, out[-4000:]
     assert len(_records(run_dir)) < 60, "the run went on to finish"
     assert "run failed" in out and "EngineDeadError" in out, out[-4000:]
-    # Every failed group was journaled as it happened (issue 14 item 4).
+    # Failed groups are journaled as they happen (issue 14 item 4). Which path reports the
+    # death first varies: the rollouter's failed groups (RolloutFailed), or a weight push into
+    # the dead engine (EngineDeadError from VLLMEngine's control call, the trainer fails).
     failures = [json.loads(line) for line in (run_dir / "failures.jsonl").read_text().splitlines()]
-    assert sum(f["error_type"] == "EngineDeadError" for f in failures) >= 1, failures[-3:]
+    assert all(f["error_type"] == "EngineDeadError" or f["cancelled"] for f in failures)
+    cause = next(line for line in out.splitlines() if "run failed" in line)
     # No orphans: every process of the run's tree (Ray's included) is gone shortly after.
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and any(_alive(p) for p in processes):
         time.sleep(0.5)
     left = [(p.pid, p.name()) for p in processes if _alive(p)]
     assert not left, f"processes left behind: {left}\n{out[-3000:]}"
-    print(f"exit {proc.returncode} {exit_s:.1f} s after the kill; {steps_before} steps before")
+    print(f"exit {proc.returncode} {exit_s:.1f} s after the kill; {steps_before} steps before;")
+    print(f"{len(failures)} failures journaled; {cause.strip()[:300]}")

@@ -250,8 +250,8 @@ def _time_trainer(
 
 
 def _dp_rank(rank: int, world: int, port: int, strategy: str, quick: bool, out: str) -> None:
-    """One rank of a timed data-parallel run (a spawned process); rank 0 writes the
-    per-step wall times of each round to `out`."""
+    """One rank of a timed data-parallel round (a spawned process); rank 0 writes the
+    mean per-step wall time to `out`."""
     torch.set_num_threads(1)
     dp = None
     if world > 1:
@@ -267,31 +267,25 @@ def _dp_rank(rank: int, world: int, port: int, strategy: str, quick: bool, out: 
         rest[i : i + setup.groups_per_step] for i in range(0, len(rest), setup.groups_per_step)
     ]
     config = dataclasses.replace(CONFIG, batch_size=setup.groups_per_step)
-    step_s: list[float] = []
+    trainer = PPOTrainer(base, config, metrics_sink=_NullMetrics(), data_parallel=dp)
+
+    async def main() -> float:
+        await trainer.train(_source([warmup]))
+        started = time.perf_counter()
+        await trainer.train(_source(batches))
+        return (time.perf_counter() - started) / len(batches)
+
     try:
-        for _ in range(setup.rounds):
-            trainer = PPOTrainer(
-                copy.deepcopy(base), config, metrics_sink=_NullMetrics(), data_parallel=dp
-            )
-
-            async def main(trainer: PPOTrainer = trainer) -> float:
-                await trainer.train(_source([warmup]))
-                started = time.perf_counter()
-                await trainer.train(_source(batches))
-                return (time.perf_counter() - started) / len(batches)
-
-            try:
-                step_s.append(asyncio.run(main()))
-            finally:
-                trainer.close()
+        step_s = asyncio.run(main())
         if rank == 0:
             Path(out).write_text(json.dumps(step_s))
     finally:
+        trainer.close()
         if dp is not None:
             dp.close()
 
 
-def _time_data_parallel(world: int, strategy: str, quick: bool) -> list[float]:
+def _time_data_parallel(world: int, strategy: str, quick: bool) -> float:
     import torch.multiprocessing as mp
 
     with socket.socket() as sock:
@@ -300,15 +294,17 @@ def _time_data_parallel(world: int, strategy: str, quick: bool) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "steps.json")
         mp.spawn(_dp_rank, args=(world, port, strategy, quick, out), nprocs=world, join=True)
-        return list(json.loads(Path(out).read_text()))
+        return float(json.loads(Path(out).read_text()))
 
 
 def _data_parallel_rows(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    runs = {
-        "1 rank": _time_data_parallel(1, "ddp", quick),
-        "2 ranks ddp": _time_data_parallel(2, "ddp", quick),
-        "2 ranks fsdp2": _time_data_parallel(2, "fsdp2", quick),
-    }
+    configs = {"1 rank": (1, "ddp"), "2 ranks ddp": (2, "ddp"), "2 ranks fsdp2": (2, "fsdp2")}
+    runs: dict[str, list[float]] = {name: [] for name in configs}
+    # Rounds alternate between the configurations (one fresh spawn each), so a burst of
+    # load from other work on the machine is spread over all of them.
+    for _ in range((QUICK if quick else FULL).rounds):
+        for name, (world, strategy) in configs.items():
+            runs[name].append(_time_data_parallel(world, strategy, quick))
     one = min(runs["1 rank"])
     rows = [
         {

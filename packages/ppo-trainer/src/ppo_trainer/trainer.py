@@ -202,7 +202,7 @@ class PPOTrainer:
 
     async def train(
         self,
-        source: GroupSource,
+        source: GroupSource | None,
         weight_sink: WeightSink | None = None,
         *,
         end_of_stream: tuple[type[BaseException], ...] = (),
@@ -215,6 +215,11 @@ class PPOTrainer:
         out of `train()` unchanged, with its `__cause__`. A non-empty partial batch at the
         end of the stream is trained on. `weight_sink`, if given, replaces the constructor's
         for the rest of the trainer's life.
+
+        Data parallel: call it on every rank at once. Rank 0 reads `source` and sends each
+        step's groups to the others, whose `source` is ignored (pass None); only rank 0
+        pushes weights; the others return when rank 0's `train()` ends (`stop()` matters
+        on rank 0 only).
         """
         if self._running:
             raise RuntimeError("train() is already running")
@@ -226,6 +231,8 @@ class PPOTrainer:
                 return await self._follow()
             finally:
                 self._running = False
+        if source is None:
+            raise ValueError("train() needs a source (only data-parallel ranks > 0 take None)")
         self._running = True
         self._loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
