@@ -12,15 +12,14 @@ import torch
 from mm_preprocess import VisionDecodeError, process_vision_info_sync
 from PIL import Image
 from rollout_engine import MultiModalRef, Timings, Trajectory
-from train_app.vision import (
-    COLORS,
+from train_app.multimodal import (
     ImagePlaceholderEngine,
-    ShapeColorTask,
     VisionInputsFn,
     collapse_image_placeholders,
     expand_image_placeholders,
     make_vision_preprocessor,
 )
+from train_app.tasks.shapes import COLORS, ShapeColorTask
 from train_app.vision_model import image_placeholder_types, load_vision_policy
 from transformers import AutoProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
 

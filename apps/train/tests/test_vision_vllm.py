@@ -21,12 +21,8 @@ from mm_preprocess import EventLoopLagMonitor
 from ppo_trainer import PolicyUpdater, PPOConfig, export_weights, pack_batch, token_logprobs
 from ppo_trainer import Trajectory as TrainerTrajectory
 from rollout_engine import RolloutConfig, Rollouter, SamplingConfig, Trajectory
-from train_app.vision import (
-    ImagePlaceholderEngine,
-    ShapeColorTask,
-    VisionInputsFn,
-    make_vision_preprocessor,
-)
+from train_app.multimodal import ImagePlaceholderEngine, VisionInputsFn, make_vision_preprocessor
+from train_app.tasks.shapes import ShapeColorTask
 from train_app.vision_model import load_vision_policy
 from transformers import AutoTokenizer
 

@@ -84,12 +84,8 @@ class RolloutActor:
         from rollout_engine import Rollouter
         from transformers import AutoTokenizer
 
-        from train_app.tasks import make_task
-        from train_app.vision import (
-            ImagePlaceholderEngine,
-            is_vision_task,
-            make_vision_preprocessor,
-        )
+        from train_app.multimodal import ImagePlaceholderEngine, make_vision_preprocessor
+        from train_app.tasks import is_vision_task, make_task
         from train_app.wiring import QueueTrajectorySink
 
         plan = self._plan
@@ -256,7 +252,7 @@ class TrainerActor:
         await self._lag.start()
         mm_inputs_fn = None
         if plan.vision:
-            from train_app.vision import VisionInputsFn
+            from train_app.multimodal import VisionInputsFn
             from train_app.vision_model import load_vision_policy
 
             model = await asyncio.to_thread(load_vision_policy, plan.model_dir)

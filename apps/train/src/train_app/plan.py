@@ -244,7 +244,7 @@ def plan(
 
 
 def _is_vision_task(name: str) -> bool:
-    from train_app.vision import is_vision_task
+    from train_app.tasks import is_vision_task
 
     return is_vision_task(name)
 

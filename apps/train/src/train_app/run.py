@@ -110,8 +110,8 @@ def prepare_run_dir(config: TrainConfig) -> Path:
 def ensure_model(config: TrainConfig, run_dir: Path) -> Path:
     if config.model is not None:
         return Path(config.model).resolve()
+    from train_app.tasks import is_vision_task
     from train_app.tiny_model import build_tiny_qwen2
-    from train_app.vision import is_vision_task
     from train_app.vision_model import build_tiny_qwen2_vl
 
     if is_vision_task(config.task):

@@ -27,9 +27,9 @@ from typing import Any
 
 from rollout_engine import EpisodeConfig, ModelTurn, PromptSample, StepResult, Trajectory
 
-from train_app.tasks import partial_credit
+from train_app.tasks.scoring import partial_credit
 
-__all__ = ["TOOL_TASKS", "LookupEnvironment", "ToolTask"]
+__all__ = ["LookupEnvironment", "ToolTask"]
 
 KEYS = "abcdefghij"
 CALL_CREDIT = 0.2
@@ -106,5 +106,3 @@ class ToolTask:
 
 
 ToolTask.reward.blocking = False  # type: ignore[attr-defined]
-
-TOOL_TASKS = {"tool": ToolTask}
