@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from rollout_engine import ModelTurn, SyncEnvironment, Timings, Trajectory
 from train_app.tasks import make_task
-from train_app.tiny_model import build_char_tokenizer
 from train_app.tasks.tool import CALL_CREDIT, KEYS
+from train_app.tiny_model import build_char_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,7 @@ ALPHABET = list(string.ascii_lowercase) + list(string.digits) + list(" \n?.,:=*+
 
 # Qwen2-VL's chat format without a default system turn (keeps prompts short). Images are
 # written as one <|image_pad|> between <|vision_start|> and <|vision_end|>; the processor
-# (or `train_app.vision.expand_image_tokens`) repeats it to the image's token count.
+# (or `train_app.multimodal.expand_image_placeholders`) repeats it to the image's token count.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' }}"
