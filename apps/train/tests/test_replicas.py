@@ -35,6 +35,10 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """One local Ray cluster for the module's runs (`run` joins a running cluster)."""
     import ray
 
+    # In a whole-repository session the packages' tests run first and leave their shared
+    # (session-scoped) cluster up; these runs need their own worker environment and 4 CPUs.
+    if ray.is_initialized():
+        ray.shutdown()
     runs = tmp_path_factory.mktemp("replicas")
     env = {**WORKER_ENV, "TORCHINDUCTOR_CACHE_DIR": str(runs / ".inductor")}
     ray.init(
