@@ -134,9 +134,12 @@ def run(
         stack.enter_context(_signals_raise())
         run_dir = prepare_run_dir(config)
         console.print(_startup_line(config, run_dir))
-        stack.enter_context(capture_driver_logs(run_dir, verbose=config.verbose))
+        # Before anything imports Ray (capture_driver_logs does): Ray reads
+        # RAY_ENABLE_UV_RUN_RUNTIME_ENV at import, and under `uv run` it would otherwise start
+        # every worker with `uv run` in a copy of the working directory, without the venv.
         os.environ.update({k: v for k, v in worker_env(config).items() if k not in os.environ})
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((run_dir / ".inductor").resolve()))
+        stack.enter_context(capture_driver_logs(run_dir, verbose=config.verbose))
 
         def prepare() -> RunPlan:
             run_plan = make_plan(config, run_dir, ensure_model(config, run_dir))
