@@ -24,7 +24,9 @@ A bench run directory (`runs/bench-e2e-*/`) holds `{sync,async}-seed{N}/` with `
 - Sharing the machine: on this 2-core machine an async step runs next to generation, the queue
   and the rollouter's loop; its cost is `async_trainer_factor` times the sync model's at the
   same tokens (mean async `trainer/step_s` over the sync model's prediction). Likewise decoding
-  (`async_engine_factor`, from the rollouters' busy seconds per step, async over sync).
+  (`async_engine_factor`, from the rollouters' busy seconds per step, async over sync, at
+  least 1: a rollouter that idles while in-flight requests finish before a load is less busy
+  per step, but sharing the cores never makes decoding faster).
 
 Those are component fits. The wall times are predictions: the simulator runs the real
 Rollouter, pacing and queue with these costs for the run's settings and step count, and
@@ -345,7 +347,7 @@ def fit(runs: Sequence[MeasuredRun], source: str = "", correct: bool = True) -> 
         busy_async = _mean([_busy_per_step(r) for r in asyn], math.nan)
         busy_sync = _mean([_busy_per_step(r) for r in sync], math.nan)
         if math.isfinite(busy_async) and math.isfinite(busy_sync) and busy_sync > 0:
-            engine_factor = min(3.0, max(0.5, busy_async / busy_sync))
+            engine_factor = min(3.0, max(1.0, busy_async / busy_sync))
     base = base.with_(
         contention=Contention(
             async_trainer_factor=round(trainer_factor, 4),
