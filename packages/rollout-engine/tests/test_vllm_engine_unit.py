@@ -11,6 +11,7 @@ from rollout_engine.vllm_engine import (
     _apply_version_spans,
     _weights_to_blob,
     build_prompt,
+    collapse_image_runs,
 )
 
 
@@ -22,6 +23,28 @@ def test_prompt_carries_token_ids_and_images_unchanged():
     assert prompt == {"prompt_token_ids": [5, 6, 7], "multi_modal_data": {"image": images}}
     assert prompt["multi_modal_data"]["image"] is images
     assert build_prompt([1]) == {"prompt_token_ids": [1]}
+
+
+PAD = 5  # the image placeholder token of these checks (any id works)
+
+
+def test_each_image_run_collapses_to_one_placeholder():
+    """The trainer's prompt has one placeholder per patch group; vLLM wants one per image."""
+    expanded = [1, 3, PAD, PAD, PAD, PAD, 4, 9, 3, PAD, PAD, 4, 2]
+    assert collapse_image_runs(expanded, PAD, 2) == [1, 3, PAD, 4, 9, 3, PAD, 4, 2]
+    assert collapse_image_runs([1, PAD, 2], PAD, 1) == [1, PAD, 2]
+
+
+def test_image_tokens_after_the_images_are_left_as_text():
+    """A continued response may hold sampled placeholder tokens: vLLM reads them as text."""
+    prompt = [3, PAD, PAD, PAD, PAD, 4, 8]
+    response = [PAD, PAD, 7]
+    assert collapse_image_runs(prompt + response, PAD, 1) == [3, PAD, 4, 8, PAD, PAD, 7]
+
+
+def test_fewer_placeholder_runs_than_images_is_an_error():
+    with pytest.raises(ValueError, match="1 image placeholders for 2 images"):
+        collapse_image_runs([1, PAD, PAD, 2], PAD, 2)
 
 
 def test_engine_args_have_cpu_defaults_and_take_extras():

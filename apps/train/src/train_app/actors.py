@@ -8,6 +8,7 @@ proves it (`event_loop/lag_ms_*`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -84,7 +85,7 @@ class RolloutActor:
         from rollout_engine import Rollouter
         from transformers import AutoTokenizer
 
-        from train_app.multimodal import ImagePlaceholderEngine, make_vision_preprocessor
+        from train_app.multimodal import make_vision_preprocessor
         from train_app.tasks import is_vision_task, make_task
         from train_app.wiring import QueueTrajectorySink
 
@@ -94,21 +95,23 @@ class RolloutActor:
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, plan.model_dir)
         # A vision task writes its PNG dataset when built: file work, so off the loop.
         task = await asyncio.to_thread(make_task, plan.task, tokenizer, **plan.task_options)
-        self._engine = await _make_engine(plan.engine)
-        engine: Any = self._engine
+        engine_config = plan.engine
+        if is_vision_task(plan.task) and hasattr(engine_config, "image_token_id"):
+            # The task's prompts carry expanded image placeholders; the engine collapses them.
+            engine_config = dataclasses.replace(engine_config, image_token_id=task.image_token_id)
+        self._engine = await _make_engine(engine_config)
         self._preprocessor = None
         if is_vision_task(plan.task):
             # Images are decoded and resized in VisionPreprocessor's bounded thread pool.
             self._preprocessor = make_vision_preprocessor(task.settings)
             await self._preprocessor.warmup()
-            engine = ImagePlaceholderEngine(self._engine, task.image_token_id)
         self._journal = None
         if plan.failures_path is not None:
             from train_app.failure_log import FailureJournal
 
             self._journal = FailureJournal(plan.failures_path, replica=plan.replica)
         self._rollouter = Rollouter(
-            engine,
+            self._engine,
             _fresh_prompts(task.prompts(plan.prompt_seed), plan.skip_prompt_ids),
             QueueTrajectorySink(self._queue),
             task.reward,

@@ -10,10 +10,11 @@ The pieces, in the order a sample meets them (the task itself is `tasks/shapes.p
    (threaded, bounded): `await pre.process_vision_info(messages)` -> (images, ...), as the
    Rollouter expects (result[0] = list of PIL images). A missing or corrupt file raises
    `VisionDecodeError` there, and the Rollouter records a failed sample; the run goes on.
-3. `ImagePlaceholderEngine` wraps the `GenerationEngine` (VLLMEngine): vLLM wants ONE
-   `<|image_pad|>` per image in a token-id prompt and expands it itself (given expanded ids it
-   silently expands the first pad again and treats the rest as text), so the wrapper
-   collapses each image's run before calling vLLM. Expansion thus happens once, in the task,
+3. The rollouter's `VLLMEngine` is configured with the image token
+   (`VLLMEngineConfig.image_token_id`): vLLM wants ONE `<|image_pad|>` per image in a
+   token-id prompt and expands it itself (given expanded ids it silently expands the first
+   pad again and treats the rest as text), so the engine collapses each image's run before
+   calling vLLM. Expansion thus happens once, in the task,
    and `Trajectory.prompt_ids` (= `PromptSample.prompt_ids`) is exactly what the trainer feeds
    the model.
 4. `VisionInputsFn` (a `ppo_trainer.MultiModalInputsFn`) rebuilds `pixel_values` and
@@ -33,14 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_engine import Completion, PauseMode, SamplingConfig
-
 __all__ = [
     "IMAGE_TOKEN",
-    "ImagePlaceholderEngine",
     "VisionInputsFn",
     "VisionSettings",
-    "collapse_image_placeholders",
     "expand_image_placeholders",
     "image_token_count",
     "make_vision_preprocessor",
@@ -101,33 +98,6 @@ def expand_image_placeholders(
     return out
 
 
-def collapse_image_placeholders(
-    ids: Sequence[int], image_token_id: int, num_images: int
-) -> list[int]:
-    """Shrink the first `num_images` runs of `<|image_pad|>` to one token each (what vLLM
-    wants for a token-id prompt). Later image tokens (e.g. sampled in a response that is
-    being continued) are left alone, as vLLM treats them: plain text."""
-    out: list[int] = []
-    runs = 0
-    collapsing = False  # inside one of the first `num_images` runs
-    previous_was_image = False
-    for token in ids:
-        if token != image_token_id:
-            out.append(token)
-            previous_was_image = False
-            continue
-        if not previous_was_image:  # a run starts
-            runs += 1
-            collapsing = runs <= num_images
-            out.append(token)
-        elif not collapsing:
-            out.append(token)
-        previous_was_image = True
-    if runs < num_images:
-        raise ValueError(f"prompt has {runs} image placeholders for {num_images} images")
-    return out
-
-
 # ---------------------------------------------------------------- rollouter side
 
 
@@ -147,60 +117,6 @@ def make_vision_preprocessor(
         min_pixels=settings.min_pixels,
         max_pixels=settings.max_pixels,
     )
-
-
-class ImagePlaceholderEngine:
-    """A `GenerationEngine` that hands vLLM one `<|image_pad|>` per image.
-
-    Prompts carry expanded image placeholders (what the trainer's model needs); vLLM expands
-    a single placeholder itself, so image runs are collapsed here before `generate`. Every
-    other call and attribute (`startup_s`, `llm`, ...) goes to the wrapped engine.
-    """
-
-    def __init__(self, engine: Any, image_token_id: int) -> None:
-        self._engine = engine
-        self._image_token_id = image_token_id
-
-    @property
-    def version(self) -> int:
-        return self._engine.version
-
-    @property
-    def inner(self) -> Any:
-        return self._engine
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        sampling: SamplingConfig,
-        n: int = 1,
-        multi_modal_data: dict[str, Any] | None = None,
-    ) -> list[Completion]:
-        images = (multi_modal_data or {}).get("image") or []
-        if images:
-            prompt_ids = collapse_image_placeholders(prompt_ids, self._image_token_id, len(images))
-        return await self._engine.generate(request_id, prompt_ids, sampling, n, multi_modal_data)
-
-    async def pause(self, mode: PauseMode = "keep", clear_cache: bool = True) -> None:
-        await self._engine.pause(mode, clear_cache)
-
-    async def resume(self) -> None:
-        await self._engine.resume()
-
-    async def load_weights(self, weights: Any, version: int) -> None:
-        await self._engine.load_weights(weights, version)
-
-    async def abort(self, request_ids: Sequence[str]) -> None:
-        await self._engine.abort(request_ids)
-
-    async def close(self) -> None:
-        await self._engine.close()
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):  # never recurse into ourselves (e.g. before __init__)
-            raise AttributeError(name)
-        return getattr(self._engine, name)
 
 
 # ---------------------------------------------------------------- trainer side

@@ -6,7 +6,6 @@ worker thread so the event loop stays responsive while it computes.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections import defaultdict
 from collections.abc import Iterator
@@ -111,7 +110,6 @@ class PolicyUpdater:
         self.generator = torch.Generator().manual_seed(config.seed)
         if ref_model is not None:
             ref_model.requires_grad_(False)
-        self._wants_token_types = _accepts(model, "mm_token_type_ids")
 
     # -- public -------------------------------------------------------------------------
 
@@ -523,8 +521,6 @@ class PolicyUpdater:
         """(logits [B, L, V], last hidden state [B, L, H] if `hidden` else None)."""
         device = next(model.parameters()).device
         inputs = {k: v.to(device) for k, v in micro.model_inputs().items()}
-        if len(inputs) > 2 and self._wants_token_types and "mm_token_type_ids" not in inputs:
-            inputs["mm_token_type_ids"] = _mm_token_type_ids(model, inputs["input_ids"])
         if not hidden:
             return model(**inputs).logits, None
         out = model(**inputs, output_hidden_states=True)
@@ -593,21 +589,3 @@ def _chunks(index: torch.Tensor, parts: int) -> Iterator[torch.Tensor]:
     for chunk in torch.tensor_split(index, min(parts, len(index))):
         if len(chunk):
             yield chunk
-
-
-def _accepts(model: torch.nn.Module, argument: str) -> bool:
-    try:
-        return argument in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _mm_token_type_ids(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """Qwen2-VL family: 1 on image placeholder tokens, 2 on video ones, 0 elsewhere."""
-    config = getattr(model, "config", None)
-    types = torch.zeros_like(input_ids)
-    for token_attr, value in (("image_token_id", 1), ("video_token_id", 2)):
-        token_id = getattr(config, token_attr, None)
-        if token_id is not None:
-            types = torch.where(input_ids == token_id, torch.full_like(types, value), types)
-    return types

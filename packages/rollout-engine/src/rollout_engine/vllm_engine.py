@@ -43,7 +43,13 @@ if TYPE_CHECKING:
     from vllm.outputs import CompletionOutput
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["VLLMEngine", "VLLMEngineConfig", "build_prompt", "build_sampling_params"]
+__all__ = [
+    "VLLMEngine",
+    "VLLMEngineConfig",
+    "build_prompt",
+    "build_sampling_params",
+    "collapse_image_runs",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +101,12 @@ class VLLMEngineConfig:
     shutdown_timeout_s: float = 2.0
     # Any other `vllm.AsyncEngineArgs` field, e.g. {"limit_mm_per_prompt": {"image": 2}}.
     extra_engine_args: Mapping[str, Any] = field(default_factory=dict)
+    # The model's image placeholder token (Qwen2-VL: `<|image_pad|>`), when prompts carry it
+    # *expanded* to one token per image patch group, as the trainer's model needs them. vLLM
+    # wants one placeholder per image in a token-id prompt and expands it itself, so a request
+    # with images has each image's run collapsed to one token (`collapse_image_runs`).
+    # None: prompts are sent as given.
+    image_token_id: int | None = None
 
     def engine_args(self) -> dict[str, Any]:
         """Keyword arguments for `vllm.AsyncEngineArgs`."""
@@ -149,6 +161,32 @@ def build_prompt(
     if multi_modal_data:
         prompt["multi_modal_data"] = dict(multi_modal_data)
     return prompt
+
+
+def collapse_image_runs(ids: Sequence[int], image_token_id: int, num_images: int) -> list[int]:
+    """`ids` with each of the first `num_images` runs of `image_token_id` shrunk to one token.
+
+    Later image tokens (e.g. sampled in a response that is being continued) are left alone,
+    as vLLM treats them: plain text. Fewer runs than images is a `ValueError`."""
+    out: list[int] = []
+    runs = 0
+    collapsing = False  # inside one of the first `num_images` runs
+    previous_was_image = False
+    for token in ids:
+        if token != image_token_id:
+            out.append(token)
+            previous_was_image = False
+            continue
+        if not previous_was_image:  # a run starts
+            runs += 1
+            collapsing = runs <= num_images
+            out.append(token)
+        elif not collapsing:
+            out.append(token)
+        previous_was_image = True
+    if runs < num_images:
+        raise ValueError(f"prompt has {runs} image placeholders for {num_images} images")
+    return out
 
 
 class _SequenceState:
@@ -283,6 +321,9 @@ class VLLMEngine:
     ) -> list[Completion]:
         """Generate `n` samples; returns when all have finished (or were aborted)."""
         params = build_sampling_params(sampling, n, self._config.stream_interval)
+        images = (multi_modal_data or {}).get("image") or []
+        if images and self._config.image_token_id is not None:
+            prompt_ids = collapse_image_runs(prompt_ids, self._config.image_token_id, len(images))
         prompt = build_prompt(prompt_ids, multi_modal_data)
         sequences = [_SequenceState() for _ in range(n)]
         self._progress[request_id] = 0
