@@ -19,6 +19,7 @@ def _producer_trajectory() -> rollout_engine.Trajectory:
     return rollout_engine.Trajectory(
         sample_id="g1-0",
         group_id="g1",
+        prompt_id="p7",
         prompt_ids=[3, 4, 5],
         response_ids=[6, 7, 1],
         behaviour_logprobs=[-0.5, -1.25, -0.125],
@@ -58,6 +59,7 @@ def test_a_trajectory_without_multimodal_inputs_round_trips() -> None:
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(producer), type=ppo_trainer.Trajectory)
     assert decoded.multimodal is None
     assert decoded.token_versions == [2, 3, 3]
+    assert decoded.prompt_id == "p7"
 
 
 def test_a_multi_turn_episode_keeps_its_mask_and_turns() -> None:
@@ -68,6 +70,14 @@ def test_a_multi_turn_episode_keeps_its_mask_and_turns() -> None:
     assert decoded.turn_starts == [0, 2]
     assert decoded.generated_versions == [2, 3]
     assert decoded.num_generated == 2
+
+
+def test_a_schema_2_payload_decodes_with_an_empty_prompt_id() -> None:
+    legacy = msgspec.to_builtins(_producer_trajectory())
+    del legacy["prompt_id"]
+    legacy["schema_version"] = 2
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(legacy), type=ppo_trainer.Trajectory)
+    assert decoded.prompt_id == "" and decoded.group_id == "g1"
 
 
 def test_a_schema_1_payload_decodes_as_a_single_turn_response() -> None:

@@ -160,6 +160,10 @@ def test_resume_continues_without_consuming_a_sample_twice(tmp_path: Path) -> No
     assert records[6]["trainer/version"] >= first[-1]["trainer/version"]
     consumed = json.loads((run_dir / "consumed_ids.json").read_text())
     assert len(consumed) == len(set(consumed)) == 9 * 4
+    from ppo_trainer import read_checkpoint_meta
+
+    prompts = read_checkpoint_meta(run_dir / "checkpoints" / "latest").consumed_prompt_ids
+    assert len(prompts) == len(set(prompts)) == 9 * 4  # no prompt trained on twice
 
 
 def test_killed_rollouter_fails_the_run_with_its_cause(tmp_path: Path) -> None:

@@ -63,6 +63,7 @@ def make_group(
             Trajectory(
                 sample_id=f"{group_id}/{i}",
                 group_id=group_id,
+                prompt_id=f"prompt-{group_id}",
                 prompt_ids=prompt,
                 response_ids=response,
                 behaviour_logprobs=[logprob] * len(response),

@@ -46,6 +46,7 @@ async def test_resume_matches_straight_run(tmp_path: Path) -> None:
     assert (resumed.step, resumed.version) == (4, 1)
     done = set(resumed.consumed_sample_ids)
     assert len(done) == 32
+    assert resumed.consumed_prompt_ids == tuple(f"prompt-g{i}" for i in range(8))
     remaining = [g for g in GROUPS if g[0].sample_id not in done]
     assert len(remaining) == 8
     summary = await resumed.train(ListSource(remaining))
@@ -105,6 +106,7 @@ async def test_periodic_checkpoints_from_train(tmp_path: Path) -> None:
     meta = read_checkpoint_meta(latest)  # torch-free: what a driver reads before resuming
     assert (meta.step, meta.version) == (6, 6)
     assert meta.consumed_group_ids == tuple(f"g{i}" for i in range(6))
+    assert meta.consumed_prompt_ids == tuple(f"prompt-g{i}" for i in range(6))
     assert meta.consumed_sample_ids == tuple(t.sample_id for g in GROUPS[:6] for t in g)
 
 

@@ -15,6 +15,7 @@ def test_trajectory_fields_match_the_producer_contract() -> None:
         "schema_version",
         "sample_id",
         "group_id",
+        "prompt_id",
         "prompt_ids",
         "response_ids",
         "behaviour_logprobs",
@@ -28,7 +29,8 @@ def test_trajectory_fields_match_the_producer_contract() -> None:
         "turn_starts",
     ]
     defaults = {f.name: f.default for f in msgspec.structs.fields(Trajectory)}
-    assert defaults["schema_version"] == TRAJECTORY_SCHEMA_VERSION == 2
+    assert defaults["schema_version"] == TRAJECTORY_SCHEMA_VERSION == 3
+    assert defaults["prompt_id"] == ""
     assert defaults["reward"] == 0.0
     assert defaults["multimodal"] is None
     assert defaults["num_resumes"] == 0

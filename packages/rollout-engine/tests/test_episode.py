@@ -175,7 +175,7 @@ async def test_episodes_carry_tokens_masks_and_versions_token_by_token() -> None
         assert len(t.turn_starts) == 3
         assert [m for _, _, m in _segments(t)] == [1, 0, 1, 0, 1]
         assert t.reward == pytest.approx(0.75)  # 3 steps of 0.25, kept by environment_reward
-        _check_against_engine(t, engine, prompts[t.group_id.split(":")[0]])
+        _check_against_engine(t, engine, prompts[t.prompt_id])
     assert all(env.closed for env in envs) and len(envs) == 6
     # only generated tokens count as generated
     assert rollouter.stats().generated_tokens == sum(sum(t.loss_mask) for t in sink.trajectories)
@@ -274,7 +274,7 @@ async def test_a_weight_push_between_turns() -> None:
         assert set(t.token_versions[:n_first]) == {0}
         assert set(t.token_versions[n_first:]) == {1}  # observation and turn 2
         assert t.min_version == 0
-        _check_against_engine(t, engine, prompts[t.group_id.split(":")[0]])
+        _check_against_engine(t, engine, prompts[t.prompt_id])
     assert rollouter.stats().staleness_max == 1
 
 
@@ -305,7 +305,7 @@ async def test_a_weight_push_inside_a_turn(mode: str) -> None:
         first = t.token_versions[: t.turn_starts[1]]
         assert set(first[:40]) == {0, 1} and first[:40] == sorted(first[:40])
         assert t.num_resumes == (1 if mode == "abort" else 0)
-        _check_against_engine(t, engine, prompts[t.group_id.split(":")[0]])
+        _check_against_engine(t, engine, prompts[t.prompt_id])
         assert len([v for v, m in zip(t.token_versions, t.loss_mask, strict=True) if m]) == 80
     if mode == "abort":
         continuations = [c for c in engine.calls if c.request_id.endswith(":r1")]

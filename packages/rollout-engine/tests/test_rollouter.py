@@ -40,12 +40,11 @@ async def test_every_prompt_becomes_one_scored_group_of_n_trajectories() -> None
     assert (stats.admitted, stats.delivered, stats.failed, stats.dropped) == (10, 10, 0, 0)
     assert stats.in_flight == 0
     assert stats.trajectories == 30
-    assert sorted(g[0].group_id.split(":")[0] for g in sink.groups) == sorted(
-        f"p{i}" for i in range(10)
-    )
+    assert sorted(g[0].prompt_id for g in sink.groups) == sorted(f"p{i}" for i in range(10))
     for group in sink.groups:
         assert len(group) == 3
         assert len({t.group_id for t in group}) == 1
+        assert len({t.prompt_id for t in group}) == 1
         assert len({t.sample_id for t in group}) == 3
         for t in group:
             assert t.reward == pytest.approx(len(t.response_ids) / 100)

@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +85,7 @@ class RolloutActor:
         from transformers import AutoTokenizer
 
         from train_app.multimodal import make_vision_preprocessor
+        from train_app.prompts import PromptSource
         from train_app.tasks import is_vision_task, make_task
         from train_app.wiring import QueueTrajectorySink
 
@@ -112,7 +112,7 @@ class RolloutActor:
             self._journal = FailureJournal(plan.failures_path, replica=plan.replica)
         self._rollouter = Rollouter(
             self._engine,
-            _fresh_prompts(task.prompts(plan.prompt_seed), plan.skip_prompt_ids),
+            iter(PromptSource(task, plan.prompt_seed, consumed=plan.skip_prompt_ids)),
             QueueTrajectorySink(self._queue),
             task.reward,
             plan.rollout,
@@ -201,11 +201,6 @@ def _process_tree() -> list[int]:
 
     me = psutil.Process()
     return [me.pid, *(child.pid for child in me.children(recursive=True))]
-
-
-def _fresh_prompts(prompts: Iterator[Any], skip: frozenset[str]) -> Iterator[Any]:
-    """The task's seeded prompt stream without the prompts consumed before a resume."""
-    return (p for p in prompts if p.prompt_id not in skip)
 
 
 @ray.remote(max_concurrency=16, max_restarts=0)

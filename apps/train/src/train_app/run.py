@@ -683,8 +683,11 @@ def _resume_point(config: TrainConfig, run_dir: Path) -> ResumePoint:
     if not checkpoint.exists():
         raise RunFailed(f"--resume {run_dir}: no checkpoint in {checkpoint.parent}")
     meta = read_checkpoint_meta(checkpoint)
-    # Group ids are "<prompt id>:<admission counter>"; the prompt stream skips by prompt id.
-    prompts = frozenset(group_id.rsplit(":", 1)[0] for group_id in meta.consumed_group_ids)
+    prompts = frozenset(meta.consumed_prompt_ids)
+    if not prompts and meta.consumed_group_ids:
+        # A checkpoint from before trajectories carried `prompt_id`: the rollouter named
+        # its groups "<prompt id>:<admission counter>".
+        prompts = frozenset(group_id.rsplit(":", 1)[0] for group_id in meta.consumed_group_ids)
     return ResumePoint(str(checkpoint.resolve()), meta.step, meta.version, prompts)
 
 

@@ -23,7 +23,9 @@ class TrainerState:
 
     `consumed_sample_ids` are the `Trajectory.sample_id`s trained on or dropped as stale;
     `consumed_group_ids` the distinct `group_id`s among them, in first-seen order (a queue
-    that stores one item per group skips by these on resume).
+    that stores one item per group skips by these on resume); `consumed_prompt_ids` the
+    distinct `prompt_id`s (a prompt source skips by these; empty in checkpoints written
+    before trajectories carried them).
 
     Size: both grow with the run (a resume must know every prompt already trained on until
     the prompt source can checkpoint its own position). The file stays compact: when the
@@ -37,6 +39,7 @@ class TrainerState:
     version: int
     consumed_sample_ids: tuple[str, ...] = ()
     consumed_group_ids: tuple[str, ...] = ()
+    consumed_prompt_ids: tuple[str, ...] = ()
 
     def to_json(self, config: dict[str, Any] | None = None) -> str:
         sizes = _compact_sample_ids(self.consumed_sample_ids, self.consumed_group_ids)
@@ -52,6 +55,7 @@ class TrainerState:
                 "version": self.version,
                 **samples,
                 "consumed_group_ids": list(self.consumed_group_ids),
+                "consumed_prompt_ids": list(self.consumed_prompt_ids),
                 "config": config or {},
             }
         )
@@ -70,6 +74,7 @@ def read_checkpoint_meta(path: str | Path) -> TrainerState:
         version=int(meta["version"]),
         consumed_sample_ids=sample_ids,
         consumed_group_ids=group_ids,
+        consumed_prompt_ids=tuple(meta.get("consumed_prompt_ids", ())),
     )
 
 

@@ -165,6 +165,12 @@ class PPOTrainer:
         """Distinct `group_id`s of the consumed samples, in first-seen order."""
         return tuple(self._consumed.group_ids)
 
+    @property
+    def consumed_prompt_ids(self) -> tuple[str, ...]:
+        """Distinct `prompt_id`s of the consumed samples, in first-seen order: what a resumed
+        prompt stream skips (empty ids, from producers older than schema 3, are left out)."""
+        return tuple(self._consumed.prompt_ids)
+
     def stats(self) -> dict[str, MetricValue]:
         """The latest metrics snapshot plus live counters; cheap, safe while a step runs."""
         snapshot = dict(self._latest)
@@ -583,6 +589,7 @@ class PPOTrainer:
             version=self._version,
             consumed_sample_ids=tuple(self._consumed.sample_ids),
             consumed_group_ids=tuple(self._consumed.group_ids),
+            consumed_prompt_ids=tuple(self._consumed.prompt_ids),
         )
         saved = await self._in_worker(save_checkpoint, path, self._updater, state)
         logger.info("saved checkpoint %s (step %d)", saved, self._step)
@@ -596,7 +603,9 @@ class PPOTrainer:
         self._step = state.step
         self._version = state.version
         self._weights_are_version = True  # the sink is assumed to get these weights as `version`
-        self._consumed = _ConsumedIds(state.consumed_sample_ids, state.consumed_group_ids)
+        self._consumed = _ConsumedIds(
+            state.consumed_sample_ids, state.consumed_group_ids, state.consumed_prompt_ids
+        )
         logger.info("loaded checkpoint %s (step %d, version %d)", path, self._step, self._version)
 
     @classmethod
@@ -617,22 +626,30 @@ class PPOTrainer:
 
 
 class _ConsumedIds:
-    """Distinct sample ids and group ids consumed so far, each in first-seen order.
+    """Distinct sample, group and prompt ids consumed so far, each in first-seen order.
 
     Insertion-ordered sets (dict keys): a sample seen twice (re-delivered) is stored once.
     They grow with the run; a resume needs them until the prompt source checkpoints its
     position, and `TrainerState.to_json` writes them compactly.
     """
 
-    def __init__(self, sample_ids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        sample_ids: Sequence[str] = (),
+        group_ids: Sequence[str] = (),
+        prompt_ids: Sequence[str] = (),
+    ) -> None:
         self.sample_ids: dict[str, None] = dict.fromkeys(sample_ids)
         self.group_ids: dict[str, None] = dict.fromkeys(group_ids)
+        self.prompt_ids: dict[str, None] = dict.fromkeys(prompt_ids)
 
     def add_groups(self, groups: Sequence[list[Trajectory]]) -> None:
         for group in groups:
             for t in group:
                 self.sample_ids[t.sample_id] = None
                 self.group_ids[t.group_id] = None
+                if t.prompt_id:
+                    self.prompt_ids[t.prompt_id] = None
 
 
 @dataclass(frozen=True, slots=True)

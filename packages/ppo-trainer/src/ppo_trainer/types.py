@@ -11,7 +11,7 @@ import msgspec
 
 __all__ = ["TRAJECTORY_SCHEMA_VERSION", "MultiModalRef", "Timings", "Trajectory"]
 
-TRAJECTORY_SCHEMA_VERSION = 2
+TRAJECTORY_SCHEMA_VERSION = 3
 
 
 class MultiModalRef(msgspec.Struct, kw_only=True):
@@ -44,6 +44,9 @@ class Trajectory(msgspec.Struct, kw_only=True):
     schema_version: int = TRAJECTORY_SCHEMA_VERSION
     sample_id: str
     group_id: str
+    # The `PromptSample.prompt_id` the group was generated from (schema 3; empty in older
+    # payloads): what a resumed prompt stream skips, with no parsing of `group_id`.
+    prompt_id: str = ""
     prompt_ids: list[int]
     response_ids: list[int]
     behaviour_logprobs: list[float]

@@ -416,6 +416,7 @@ class EpisodeRunner:
         return Trajectory(
             sample_id=f"{job.group_id}:{index}",
             group_id=job.group_id,
+            prompt_id=job.sample.prompt_id,
             prompt_ids=episode.prompt_ids,
             response_ids=episode.token_ids,
             behaviour_logprobs=episode.logprobs,

@@ -198,6 +198,7 @@ class GroupRunner:
             Trajectory(
                 sample_id=f"{job.group_id}:{index}",
                 group_id=job.group_id,
+                prompt_id=job.sample.prompt_id,
                 prompt_ids=list(job.sample.prompt_ids),
                 response_ids=response.token_ids,
                 behaviour_logprobs=response.logprobs,

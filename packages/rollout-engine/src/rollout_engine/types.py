@@ -27,7 +27,7 @@ __all__ = [
     "TrajectorySink",
 ]
 
-TRAJECTORY_SCHEMA_VERSION = 2
+TRAJECTORY_SCHEMA_VERSION = 3
 
 PauseMode = Literal["keep", "abort", "wait"]
 
@@ -62,6 +62,9 @@ class Trajectory(msgspec.Struct, kw_only=True):
     schema_version: int = TRAJECTORY_SCHEMA_VERSION
     sample_id: str
     group_id: str
+    # The `PromptSample.prompt_id` the group was generated from (schema 3; empty in older
+    # payloads): what a resumed prompt stream skips, with no parsing of `group_id`.
+    prompt_id: str = ""
     prompt_ids: list[int]
     response_ids: list[int]
     behaviour_logprobs: list[float]
