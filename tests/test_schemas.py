@@ -17,7 +17,7 @@ def _schema(struct: type[msgspec.Struct]) -> dict:
 
 def _producer_trajectory() -> rollout_engine.Trajectory:
     return rollout_engine.Trajectory(
-        sample_id="g1-0",
+        response_id="g1-0",
         group_id="g1",
         prompt_id="p7",
         prompt_ids=[3, 4, 5],
@@ -70,6 +70,15 @@ def test_a_multi_turn_episode_keeps_its_mask_and_turns() -> None:
     assert decoded.turn_starts == [0, 2]
     assert decoded.generated_versions == [2, 3]
     assert decoded.num_generated == 2
+
+
+def test_the_response_id_keeps_its_older_wire_name() -> None:
+    """`response_id` was `sample_id` through schema 3; the wire keeps that name, so a payload
+    of an older producer still decodes (and a new one decodes in an older consumer)."""
+    wire = msgspec.to_builtins(_producer_trajectory())
+    assert wire["sample_id"] == "g1-0" and "response_id" not in wire
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(wire), type=ppo_trainer.Trajectory)
+    assert decoded.response_id == "g1-0"
 
 
 def test_a_schema_2_payload_decodes_with_an_empty_prompt_id() -> None:

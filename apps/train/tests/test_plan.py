@@ -118,7 +118,7 @@ def test_resume_point_reaches_engines_prompts_and_trainer() -> None:
     run = plan(TrainConfig(rollout_replicas=2, batch_size=4), resume=resume)
     assert run.trainer.resume_from == "ckpt"
     assert all(r.engine.initial_version == 9 for r in run.replicas)
-    assert all(r.skip_prompt_ids == {"s0-1"} for r in run.replicas)
+    assert all(r.consumed_prompt_ids == {"s0-1"} for r in run.replicas)
 
 
 def test_verbose_leaves_logs_on_the_terminal() -> None:

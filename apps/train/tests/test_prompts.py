@@ -1,13 +1,20 @@
 """`PromptSource`: the seeded prompt stream of one replica and its resume state (the real
-`repeat` task with the app's character tokenizer; no Ray, no engine)."""
+`repeat` task with the app's character tokenizer; no Ray, no engine), and the resume path
+from a checkpoint's `trainer_state.json` to every replica's source."""
 
 from __future__ import annotations
 
+import json
 from itertools import islice
 from pathlib import Path
 
 import pytest
+from ppo_trainer import TrainerState
+from ppo_trainer.checkpoint_meta import STATE_FILE
+from train_app.config import TrainConfig
+from train_app.plan import plan
 from train_app.prompts import PromptSource
+from train_app.run import RunFailed, _resume_point
 from train_app.tasks import make_task
 from train_app.tiny_model import build_char_tokenizer
 
@@ -52,3 +59,74 @@ def test_replicas_never_share_a_prompt(task, replicas: int) -> None:
     so one consumed set serves every replica."""
     streams = [set(_ids(PromptSource(task, seed=1000 + r), 50)) for r in range(replicas)]
     assert sum(len(s) for s in streams) == len(set().union(*streams)) == 50 * replicas
+
+
+def test_state_survives_json(task) -> None:
+    """The state is plain data: what a checkpoint file can hold."""
+    source = PromptSource(task, seed=2, consumed=["s2-0", "s2-2"])
+    fresh = PromptSource(task, seed=9)
+    fresh.load_state_dict(json.loads(json.dumps(source.state_dict())))
+    assert _ids(fresh, 3) == _ids(source, 3) == ["s2-1", "s2-3", "s2-4"]
+
+
+def _write_checkpoint(run_dir: Path, state: TrainerState) -> None:
+    latest = run_dir / "checkpoints" / "latest"
+    latest.mkdir(parents=True)
+    (latest / STATE_FILE).write_text(state.to_json())
+
+
+def test_resume_from_a_checkpoint_skips_every_replicas_consumed_prompts(
+    task, tmp_path: Path
+) -> None:
+    """Two replicas ran; the trainer consumed some of each one's prompts and the others were
+    admitted but still in the queue at the stop. After the resume each replica's stream
+    leaves out exactly its consumed prompts: the lost ones come again, nothing twice."""
+    config = TrainConfig(rollout_replicas=2, batch_size=4)
+    streams = [_ids(PromptSource(task, r.prompt_seed), 12) for r in plan(config).replicas]
+    consumed = [*streams[0][:5], streams[0][7], *streams[1][:3]]
+    groups = [f"{prompt}:{i}" for i, prompt in enumerate(consumed)]  # the rollouter's naming
+    _write_checkpoint(
+        tmp_path,
+        TrainerState(
+            step=2,
+            version=2,
+            consumed_response_ids=tuple(f"{g}:{k}" for g in groups for k in range(2)),
+            consumed_group_ids=tuple(groups),
+            consumed_prompt_ids=tuple(consumed),
+        ),
+    )
+    resume = _resume_point(TrainConfig(resume=tmp_path), tmp_path)
+    assert (resume.step, resume.version, resume.consumed_prompt_ids) == (2, 2, set(consumed))
+    resumed = plan(config, resume=resume).replicas
+    for replica, stream in zip(resumed, streams, strict=True):
+        source = PromptSource(task, replica.prompt_seed, consumed=replica.consumed_prompt_ids)
+        expected = [p for p in stream if p not in consumed]
+        assert _ids(source, len(expected)) == expected
+    assert _ids(PromptSource(task, resumed[0].prompt_seed, resume.consumed_prompt_ids), 3) == [
+        streams[0][5],
+        streams[0][6],
+        streams[0][8],
+    ]
+
+
+def test_a_checkpoint_without_prompt_ids_is_refused(tmp_path: Path) -> None:
+    """Written before trajectories carried `prompt_id`: its prompts are unknown (group ids
+    are not parsed), so resuming it could train a prompt twice."""
+    _write_checkpoint(
+        tmp_path,
+        TrainerState(
+            step=1, version=1, consumed_response_ids=("s0-0:0:0",), consumed_group_ids=("s0-0:0",)
+        ),
+    )
+    with pytest.raises(RunFailed, match="predates trajectories carrying `prompt_id`"):
+        _resume_point(TrainConfig(resume=tmp_path), tmp_path)
+
+
+def test_a_checkpoint_of_no_step_resumes_the_whole_stream(task, tmp_path: Path) -> None:
+    _write_checkpoint(tmp_path, TrainerState(step=0, version=0))
+    resume = _resume_point(TrainConfig(resume=tmp_path), tmp_path)
+    assert resume.consumed_prompt_ids == frozenset()
+    seed = plan(TrainConfig(), resume=resume).replicas[0].prompt_seed
+    assert _ids(PromptSource(task, seed, resume.consumed_prompt_ids), 3) == _ids(
+        PromptSource(task, seed), 3
+    )

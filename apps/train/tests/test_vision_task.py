@@ -41,7 +41,7 @@ def _task(tokenizer, directory: Path, **options) -> ShapeColorTask:
 
 def _trajectory(prompt_ids, response_ids, messages) -> Trajectory:
     return Trajectory(
-        sample_id="s:0",
+        response_id="s:0",
         group_id="s",
         prompt_ids=list(prompt_ids),
         response_ids=list(response_ids),

@@ -129,7 +129,7 @@ async def test_bad_images_are_failed_samples_and_the_run_goes_on(vl_engine, tiny
     rollouter, sink, _ = await rollout(vl_engine, task, prompts=20, seed=5, group_size=2)
     stats = rollouter.stats()
     assert stats.state == "finished"
-    assert {f.sample_id for f in rollouter.failures} == broken
+    assert {f.prompt_id for f in rollouter.failures} == broken
     assert {f.error_type for f in rollouter.failures} == {"VisionDecodeError"}
     assert all("cannot decode vision input" in f.message for f in rollouter.failures)
     assert stats.delivered == 20 - len(broken) == len(sink.groups)

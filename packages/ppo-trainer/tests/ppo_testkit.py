@@ -61,7 +61,7 @@ def make_group(
         reward = rewards[i] if rewards is not None else float(rng.random())
         out.append(
             Trajectory(
-                sample_id=f"{group_id}/{i}",
+                response_id=f"{group_id}/{i}",
                 group_id=group_id,
                 prompt_id=f"prompt-{group_id}",
                 prompt_ids=prompt,

@@ -44,10 +44,10 @@ async def test_resume_matches_straight_run(tmp_path: Path) -> None:
         tmp_path / "ckpt", tiny_qwen2(seed=123), CONFIG, weight_sink=weights
     )
     assert (resumed.step, resumed.version) == (4, 1)
-    done = set(resumed.consumed_sample_ids)
+    done = set(resumed.consumed_response_ids)
     assert len(done) == 32
     assert resumed.consumed_prompt_ids == tuple(f"prompt-g{i}" for i in range(8))
-    remaining = [g for g in GROUPS if g[0].sample_id not in done]
+    remaining = [g for g in GROUPS if g[0].response_id not in done]
     assert len(remaining) == 8
     summary = await resumed.train(ListSource(remaining))
     assert summary.reason == "total_steps"
@@ -107,7 +107,7 @@ async def test_periodic_checkpoints_from_train(tmp_path: Path) -> None:
     assert (meta.step, meta.version) == (6, 6)
     assert meta.consumed_group_ids == tuple(f"g{i}" for i in range(6))
     assert meta.consumed_prompt_ids == tuple(f"prompt-g{i}" for i in range(6))
-    assert meta.consumed_sample_ids == tuple(t.sample_id for g in GROUPS[:6] for t in g)
+    assert meta.consumed_response_ids == tuple(t.response_id for g in GROUPS[:6] for t in g)
 
 
 async def test_gae_resume_restores_the_value_head(tmp_path: Path) -> None:
@@ -122,8 +122,8 @@ async def test_gae_resume_restores_the_value_head(tmp_path: Path) -> None:
     assert torch.load(path / "model.pt").keys() == tiny_qwen2().state_dict().keys()
 
     resumed = await PPOTrainer.resume(path, tiny_qwen2(seed=123), cfg)
-    done = set(resumed.consumed_sample_ids)
-    await resumed.train(ListSource([g for g in GROUPS if g[0].sample_id not in done]))
+    done = set(resumed.consumed_response_ids)
+    await resumed.train(ListSource([g for g in GROUPS if g[0].response_id not in done]))
     assert resumed.step == straight.step == 8
     expected = dict(straight.model.named_parameters())
     for name, param in resumed.model.named_parameters():

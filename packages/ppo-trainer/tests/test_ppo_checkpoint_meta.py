@@ -15,34 +15,38 @@ def _roundtrip(tmp_path: Path, state: TrainerState) -> tuple[TrainerState, dict]
     return read_checkpoint_meta(tmp_path), json.loads((tmp_path / STATE_FILE).read_text())
 
 
-def test_rollouter_named_samples_are_stored_as_group_sizes(tmp_path: Path) -> None:
+def test_rollouter_named_responses_are_stored_as_group_sizes(tmp_path: Path) -> None:
     groups = [f"p{i}:{i * 3}" for i in range(1000)]
     sizes = [8] * 600 + [4] * 400
-    samples = tuple(f"{g}:{k}" for g, n in zip(groups, sizes, strict=True) for k in range(n))
+    responses = tuple(f"{g}:{k}" for g, n in zip(groups, sizes, strict=True) for k in range(n))
     state = TrainerState(
-        step=7, version=3, consumed_sample_ids=samples, consumed_group_ids=tuple(groups)
+        step=7,
+        version=3,
+        consumed_response_ids=responses,
+        consumed_group_ids=tuple(groups),
+        consumed_prompt_ids=tuple(g.split(":")[0] for g in groups),
     )
     read, raw = _roundtrip(tmp_path, state)
     assert read == state
-    assert "consumed_sample_ids" not in raw
+    assert "consumed_response_ids" not in raw
     assert raw["consumed_group_sizes"] == [[8, 600], [4, 400]]
-    full = len(json.dumps(list(samples)))
+    full = len(json.dumps(list(responses)))
     assert len((tmp_path / STATE_FILE).read_text()) < full / 4
 
 
-def test_other_sample_ids_fall_back_to_the_full_list(tmp_path: Path) -> None:
-    for samples, group_ids in [
+def test_other_response_ids_fall_back_to_the_full_list(tmp_path: Path) -> None:
+    for responses, group_ids in [
         (("a/0", "a/1", "b/0"), ("a", "b")),  # another naming
         (("a:0", "a:1", "b:1"), ("a", "b")),  # a gap
         (("a:0", "b:0", "a:1"), ("a", "b")),  # interleaved groups
-        (("a:0", "a:1", "x"), ("a",)),  # a stray sample
+        (("a:0", "a:1", "x"), ("a",)),  # a stray response
     ]:
         state = TrainerState(
-            step=1, version=1, consumed_sample_ids=samples, consumed_group_ids=group_ids
+            step=1, version=1, consumed_response_ids=responses, consumed_group_ids=group_ids
         )
         read, raw = _roundtrip(tmp_path, state)
         assert read == state
-        assert raw["consumed_sample_ids"] == list(samples)
+        assert raw["consumed_response_ids"] == list(responses)
 
 
 def test_empty_and_old_format_files_read_back(tmp_path: Path) -> None:
@@ -56,4 +60,7 @@ def test_empty_and_old_format_files_read_back(tmp_path: Path) -> None:
         "consumed_group_ids": ["g"],
     }
     (tmp_path / STATE_FILE).write_text(json.dumps(old))
-    assert read_checkpoint_meta(tmp_path).consumed_sample_ids == ("g:0", "g:1")
+    # Written before the key was named for what it holds, and before prompt ids were kept.
+    old_read = read_checkpoint_meta(tmp_path)
+    assert old_read.consumed_response_ids == ("g:0", "g:1")
+    assert old_read.consumed_prompt_ids == ()

@@ -43,7 +43,7 @@ class Sampler:
         logprobs = torch.cat(logps, dim=1).tolist()
         return [
             Trajectory(
-                sample_id=f"{index}/{i}",
+                response_id=f"{index}/{i}",
                 group_id=str(index),
                 prompt_ids=prompt[0].tolist(),
                 response_ids=responses[i],

@@ -61,7 +61,7 @@ async def test_trains_until_the_stream_ends_and_pushes_weights() -> None:
     synced = metrics.records[1][1]
     assert synced.keys() >= DESIGN_METRICS
     assert "weights/sync_s" not in metrics.records[0][1]  # only logged when a push happens
-    assert len(trainer.consumed_sample_ids) == 36
+    assert len(trainer.consumed_response_ids) == 36
     assert trainer.consumed_group_ids == tuple(f"g{i}" for i in range(9))
     assert summary.as_dict()["steps"] == 5
     stats = trainer.stats()
@@ -123,7 +123,7 @@ async def test_stale_groups_are_dropped_and_staleness_is_recorded() -> None:
     assert m["staleness/hist"] == [1, 1, 1]
     assert m["staleness/dropped"] == 1.0
     assert trainer.stats()["staleness/dropped"] == 1.0
-    assert "old/0" in trainer.consumed_sample_ids  # dropped ones are done too
+    assert "old/0" in trainer.consumed_response_ids  # dropped ones are done too
 
 
 async def test_source_failure_propagates_with_its_cause() -> None:

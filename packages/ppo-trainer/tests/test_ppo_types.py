@@ -13,7 +13,7 @@ def test_trajectory_fields_match_the_producer_contract() -> None:
     names = [f.name for f in msgspec.structs.fields(Trajectory)]
     assert names == [
         "schema_version",
-        "sample_id",
+        "response_id",
         "group_id",
         "prompt_id",
         "prompt_ids",
@@ -28,6 +28,8 @@ def test_trajectory_fields_match_the_producer_contract() -> None:
         "loss_mask",
         "turn_starts",
     ]
+    wire_names = {f.name: f.encode_name for f in msgspec.structs.fields(Trajectory)}
+    assert wire_names["response_id"] == "sample_id"  # its schema 1-3 name, kept on the wire
     defaults = {f.name: f.default for f in msgspec.structs.fields(Trajectory)}
     assert defaults["schema_version"] == TRAJECTORY_SCHEMA_VERSION == 3
     assert defaults["prompt_id"] == ""
@@ -50,7 +52,7 @@ def test_trajectory_fields_match_the_producer_contract() -> None:
 def test_msgpack_round_trip_of_a_group() -> None:
     group = [
         Trajectory(
-            sample_id="s0",
+            response_id="s0",
             group_id="g",
             prompt_ids=[1, 2],
             response_ids=[3],

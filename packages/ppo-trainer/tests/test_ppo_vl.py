@@ -96,7 +96,7 @@ def _vl_group(index: int, n: int = 3) -> list[Trajectory]:
     prompt = [1, VISION_START, *([IMAGE] * n_tokens), VISION_END, 5 + index, 6]
     return [
         Trajectory(
-            sample_id=f"v{index}/{i}",
+            response_id=f"v{index}/{i}",
             group_id=f"v{index}",
             prompt_ids=prompt,
             response_ids=[7 + i, 8, 9 + i][: 2 + i % 2],

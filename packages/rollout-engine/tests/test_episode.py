@@ -132,7 +132,7 @@ def _check_against_engine(t: Trajectory, engine: RecordingEngine, prompt: list[i
     assert len(t.response_ids) == len(t.loss_mask) == len(t.behaviour_logprobs)
     assert len(t.token_versions) == len(t.response_ids)
     assert t.prompt_ids[: len(prompt)] == prompt and len(t.prompt_ids) == len(prompt) + 1
-    member = t.sample_id.rsplit(":", 1)[1]
+    member = t.response_id.rsplit(":", 1)[1]
     turn_ends = [*t.turn_starts[1:], len(t.response_ids)]
     for turn, (start, end) in enumerate(zip(t.turn_starts, turn_ends, strict=True)):
         request = f"{t.group_id}:{member}:t{turn}"

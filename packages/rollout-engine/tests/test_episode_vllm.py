@@ -140,7 +140,7 @@ async def test_episodes_with_a_push_between_turns_on_vllm(vllm_engine, tiny_qwen
     comma = tokenizer.encode(",")
     for t in sink.trajectories:
         assert t.prompt_ids[-1:] == comma  # reset's observation ends the prompt
-        member = t.sample_id.rsplit(":", 1)[1]
+        member = t.response_id.rsplit(":", 1)[1]
         first = engine.returned[f"{t.group_id}:{member}:t0"]
         second = engine.returned[f"{t.group_id}:{member}:t1"]
         n1, n2 = len(first.token_ids), len(second.token_ids)

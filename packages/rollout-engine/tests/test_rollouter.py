@@ -45,7 +45,7 @@ async def test_every_prompt_becomes_one_scored_group_of_n_trajectories() -> None
         assert len(group) == 3
         assert len({t.group_id for t in group}) == 1
         assert len({t.prompt_id for t in group}) == 1
-        assert len({t.sample_id for t in group}) == 3
+        assert len({t.response_id for t in group}) == 3
         for t in group:
             assert t.reward == pytest.approx(len(t.response_ids) / 100)
             assert len(t.response_ids) == len(t.behaviour_logprobs) == len(t.token_versions)

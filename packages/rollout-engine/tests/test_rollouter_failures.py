@@ -48,7 +48,7 @@ async def test_failing_tasks_leave_the_loop_running_and_every_sample_accounted()
     assert stats.state == "finished"
     assert (stats.admitted, stats.delivered, stats.failed, stats.dropped) == (10, 6, 4, 0)
     assert stats.in_flight == 0
-    failures = {f.sample_id: f for f in rollouter.failures}
+    failures = {f.prompt_id: f for f in rollouter.failures}
     assert set(failures) == {"p1", "p3", "p5", "p6"}
     assert failures["p1"].error_type == "RuntimeError"
     assert failures["p1"].message == "engine exploded"
@@ -58,7 +58,7 @@ async def test_failing_tasks_leave_the_loop_running_and_every_sample_accounted()
     assert failures["p5"].error_type == "TaskCancelledError"
     assert failures["p5"].cancelled
     assert failures["p6"].cancelled
-    delivered = {g[0].group_id.split(":")[0] for g in sink.groups}
+    delivered = {g[0].prompt_id for g in sink.groups}
     assert delivered == {"p0", "p2", "p4", "p7", "p8", "p9"}
 
 
@@ -85,7 +85,7 @@ async def test_reward_and_sink_errors_are_failed_samples() -> None:
     rollouter = Rollouter(FakeEngine(), make_prompts(6), sink, picky_reward, RolloutConfig(2))
     stats = await asyncio.wait_for(rollouter.run(), timeout=30)
     assert (stats.delivered, stats.failed) == (4, 2)
-    assert {(f.sample_id, f.error_type) for f in rollouter.failures} == {
+    assert {(f.prompt_id, f.error_type) for f in rollouter.failures} == {
         ("p2", "ValueError"),
         ("p4", "ConnectionError"),
     }
@@ -211,6 +211,6 @@ async def test_preprocessing_errors_are_failed_samples(
         return
     assert (stats.delivered, stats.failed) == (2, 1)
     [failure] = rollouter.failures
-    assert failure.sample_id == "img1"
+    assert failure.prompt_id == "img1"
     assert failure.error_type == "OSError"
     assert "broken.png" in failure.message

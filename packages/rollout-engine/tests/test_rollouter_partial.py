@@ -35,7 +35,7 @@ def _reward(sample: PromptSample, trajectory: Trajectory) -> float:
 
 def _by_response(sink: ListSink) -> dict[tuple[str, str], Trajectory]:
     """(prompt id, response index) -> trajectory."""
-    return {(t.group_id.split(":")[0], t.sample_id.rsplit(":", 1)[1]): t for t in sink.trajectories}
+    return {(t.prompt_id, t.response_id.rsplit(":", 1)[1]): t for t in sink.trajectories}
 
 
 async def _run(

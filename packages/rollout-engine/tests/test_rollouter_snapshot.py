@@ -155,7 +155,7 @@ async def test_restore_after_a_crash_continues_every_partial_with_its_versions(
     partial_tokens = sum(len(r.token_ids) for g in _partial_groups(restored) for r in g.responses)
     assert partial_tokens > 0
 
-    done_ids = {g[0].group_id.split(":")[0] for g in delivered_before}
+    done_ids = {g[0].prompt_id for g in delivered_before}
     skip = done_ids | restored.prompt_ids()
     fresh = [p for p in prompts if p.prompt_id not in skip]
     engine2 = FakeEngine(FakeEngineConfig(**{**_engine_kwargs(), "seed": 9,
@@ -173,7 +173,7 @@ async def test_restore_after_a_crash_continues_every_partial_with_its_versions(
     assert stats.restored == len(restored.groups) and stats.restore_dropped == 0
     assert (stats.failed, stats.dropped) == (0, 0)
     # Nothing lost, nothing twice: every prompt delivered exactly once over both lives.
-    delivered = [g[0].group_id.split(":")[0] for g in [*delivered_before, *second.sink.groups]]
+    delivered = [g[0].prompt_id for g in [*delivered_before, *second.sink.groups]]
     assert sorted(delivered) == sorted(p.prompt_id for p in prompts)
     assert max(first.worst, second.worst) <= K
 

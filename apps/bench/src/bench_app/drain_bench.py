@@ -136,8 +136,9 @@ class WaitForAllDrain:
 
 def _trajectory(sample: PromptSample, completion: Completion) -> Trajectory:
     return Trajectory(
-        sample_id=sample.prompt_id,
+        response_id=f"{sample.prompt_id}:0",
         group_id=sample.prompt_id,
+        prompt_id=sample.prompt_id,
         prompt_ids=sample.prompt_ids,
         response_ids=completion.token_ids,
         behaviour_logprobs=completion.logprobs,

@@ -124,7 +124,7 @@ def _groups(setup: _Setup, count: int, seed: int) -> list[list[Trajectory]]:
             length = rng.randint(*setup.response_len)
             group.append(
                 Trajectory(
-                    sample_id=f"{g}/{i}",
+                    response_id=f"{g}/{i}",
                     group_id=str(g),
                     prompt_ids=prompt,
                     response_ids=[rng.randrange(3, setup.vocab) for _ in range(length)],

@@ -112,7 +112,7 @@ class RolloutActor:
             self._journal = FailureJournal(plan.failures_path, replica=plan.replica)
         self._rollouter = Rollouter(
             self._engine,
-            iter(PromptSource(task, plan.prompt_seed, consumed=plan.skip_prompt_ids)),
+            iter(PromptSource(task, plan.prompt_seed, consumed=plan.consumed_prompt_ids)),
             QueueTrajectorySink(self._queue),
             task.reward,
             plan.rollout,
@@ -273,8 +273,8 @@ class TrainerActor:
             await self._trainer.load_checkpoint(plan.resume_from)
 
     async def train(self) -> dict[str, Any]:
-        """Train to `steps` or until `stop()`; returns the summary, the consumed group ids and
-        `checkpoint_step`: the step of the checkpoint this call saved last (None if none).
+        """Train to `steps` or until `stop()`; returns the summary and `checkpoint_step`: the
+        step of the checkpoint this call saved last (None if none).
 
         A checkpoint is saved at the end (also after `stop()`) unless the last step already
         wrote one or no step was taken, so the last checkpoint is always at the last step."""
@@ -285,13 +285,11 @@ class TrainerActor:
 
         await self.setup()
         plan = self._plan
-        skip: tuple[str, ...] = ()
         if plan.resume_from:
-            skip = self._trainer.consumed_group_ids
             # The engines started from the initial weights: give them the checkpoint's.
             weights = await asyncio.to_thread(export_weights, self._trainer.model)
             await self._sink.push_weights(weights, self._trainer.version)
-        source = QueueBatchSource(self._queue, plan.ppo.max_staleness, skip_ids=skip)
+        source = QueueBatchSource(self._queue, plan.ppo.max_staleness)
         self._train_started = time.monotonic()
         start_step = self._trainer.step
         summary = await self._trainer.train(source, end_of_stream=(QueueClosed,))
@@ -303,11 +301,7 @@ class TrainerActor:
             await self._save_final(Path(plan.run_dir) / "checkpoints")
             checkpoint_step = step
         await self._lag.stop()
-        return {
-            **summary.as_dict(),
-            "checkpoint_step": checkpoint_step,
-            "consumed_group_ids": list(self._trainer.consumed_group_ids),
-        }
+        return {**summary.as_dict(), "checkpoint_step": checkpoint_step}
 
     async def _save_final(self, checkpoints: Path) -> None:
         from ppo_trainer.checkpoint import update_latest

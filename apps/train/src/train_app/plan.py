@@ -76,8 +76,9 @@ class ReplicaPlan:
     """Keyword arguments of the task's constructor (a vision task's image directory)."""
     prompt_seed: int
     """Seed of this replica's prompt stream (distinct per replica: no prompt twice)."""
-    skip_prompt_ids: frozenset[str]
-    """Prompts consumed before a resume; the stream skips them."""
+    consumed_prompt_ids: frozenset[str]
+    """Prompts trained on before a resume (every replica's: ids never repeat across
+    seeds); this replica's `PromptSource` skips them."""
     rollout: RolloutConfig
     engine: Any
     """The engine's configuration: a `VLLMEngineConfig` (tests may put a
@@ -179,7 +180,7 @@ def plan(
             task=config.task,
             task_options=_task_options(config, run_dir),
             prompt_seed=config.seed * 1000 + i,
-            skip_prompt_ids=resume.consumed_prompt_ids,
+            consumed_prompt_ids=resume.consumed_prompt_ids,
             rollout=RolloutConfig(
                 group_size=config.group_size,
                 max_concurrency=config.max_concurrency,

@@ -20,7 +20,10 @@ __all__ = ["PromptSource", "PromptStream"]
 
 
 class PromptStream(Protocol):
-    """What `PromptSource` needs of a task."""
+    """What `PromptSource` needs of a task: an endless stream per seed whose `prompt_id`s
+    never repeat, within a stream or across seeds (the tasks name them `s{seed}-{index}`).
+    Each replica has its own seed (`plan.py`), so the set of every replica's consumed ids
+    serves each replica, whatever the replica count of the resumed run."""
 
     def prompts(self, seed: int) -> Iterator[PromptSample]: ...
 

@@ -603,8 +603,6 @@ class _Session:
     def _finish(self, trainer_summary: Any, train_s: float) -> RunResult:
         assert self.writer is not None
         self.writer.close()
-        consumed = trainer_summary.get("consumed_group_ids", [])
-        (self.run_dir / "consumed_ids.json").write_text(json.dumps(consumed))
         plot = plot_run(self.records, self.run_dir / "reward.png", title=str(self.run_dir.name))
         rewards = [r["reward/mean"] for r in self.records if "reward/mean" in r]
         tenth = max(1, len(rewards) // 10)
@@ -683,11 +681,12 @@ def _resume_point(config: TrainConfig, run_dir: Path) -> ResumePoint:
     if not checkpoint.exists():
         raise RunFailed(f"--resume {run_dir}: no checkpoint in {checkpoint.parent}")
     meta = read_checkpoint_meta(checkpoint)
+    if meta.consumed_group_ids and not meta.consumed_prompt_ids:
+        raise RunFailed(
+            f"--resume {run_dir}: its checkpoint predates trajectories carrying `prompt_id` "
+            "(schema 3), so the prompts it trained on are unknown; start a new run"
+        )
     prompts = frozenset(meta.consumed_prompt_ids)
-    if not prompts and meta.consumed_group_ids:
-        # A checkpoint from before trajectories carried `prompt_id`: the rollouter named
-        # its groups "<prompt id>:<admission counter>".
-        prompts = frozenset(group_id.rsplit(":", 1)[0] for group_id in meta.consumed_group_ids)
     return ResumePoint(str(checkpoint.resolve()), meta.step, meta.version, prompts)
 
 

@@ -38,7 +38,7 @@ class QueueTrajectorySink:
             QueueItem(
                 payload=msgspec.msgpack.encode(group),
                 version=min(versions) if versions else 0,
-                sample_id=group[0].group_id,
+                sample_id=group[0].group_id,  # the queue's own name for an item's id
                 produced_at=time.time(),
             )
         )
@@ -47,18 +47,13 @@ class QueueTrajectorySink:
 class QueueBatchSource:
     """`ppo_trainer.BatchSource` over the queue: full batches, stale items dropped there.
 
-    Groups whose id is in `skip_ids` (consumed before a `--resume`) are never trained twice.
+    It skips nothing: after a `--resume` the queue is new and each replica's `PromptSource`
+    already left out the prompts trained on before (`train_app.prompts`).
     """
 
-    def __init__(
-        self,
-        queue: MessageQueueClient,
-        max_staleness: int,
-        skip_ids: Sequence[str] = (),
-    ) -> None:
+    def __init__(self, queue: MessageQueueClient, max_staleness: int) -> None:
         self._queue = queue
         self._max_staleness = max_staleness
-        self._skip = set(skip_ids)
 
     async def next_batch(self, n: int, current_version: int) -> list[list[TrainerTrajectory]]:
         items = await self._queue.get_batch(
@@ -67,7 +62,7 @@ class QueueBatchSource:
             current_version=current_version,
             max_staleness=self._max_staleness,
         )
-        return [_group_decoder.decode(i.payload) for i in items if i.sample_id not in self._skip]
+        return [_group_decoder.decode(i.payload) for i in items]
 
 
 class RolloutWeightSink:

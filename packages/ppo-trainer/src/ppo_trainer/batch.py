@@ -159,10 +159,10 @@ def pack_batch(
     for row, traj in enumerate(trajectories):
         n_prompt, n_resp = len(traj.prompt_ids), len(traj.response_ids)
         if n_prompt < 1:
-            raise ValueError(f"trajectory {traj.sample_id}: empty prompt")
+            raise ValueError(f"trajectory {traj.response_id}: empty prompt")
         if len(traj.behaviour_logprobs) != n_resp:
             raise ValueError(
-                f"trajectory {traj.sample_id}: {len(traj.behaviour_logprobs)} behaviour "
+                f"trajectory {traj.response_id}: {len(traj.behaviour_logprobs)} behaviour "
                 f"log-probs for {n_resp} response tokens"
             )
         input_ids[row, : n_prompt + n_resp] = torch.tensor(
@@ -202,7 +202,7 @@ def _loss_mask(traj: Trajectory) -> torch.Tensor | float:
         return 1.0
     if len(traj.loss_mask) != len(traj.response_ids):
         raise ValueError(
-            f"trajectory {traj.sample_id}: loss_mask has {len(traj.loss_mask)} entries for "
+            f"trajectory {traj.response_id}: loss_mask has {len(traj.loss_mask)} entries for "
             f"{len(traj.response_ids)} response tokens"
         )
     return torch.tensor(traj.loss_mask, dtype=torch.float32)

@@ -7,7 +7,7 @@ Layout of a checkpoint directory:
     optimizer.pt      optimizer.state_dict()
     scheduler.pt      LR scheduler state_dict()
     rng.pt            torch (CPU + CUDA), numpy, python and the shuffling generator states
-    trainer_state.json  step, version, consumed sample/group ids, the config (for reference)
+    trainer_state.json  step, version, consumed response/group/prompt ids, the config
 
 Everything loads with `torch.load(weights_only=True)` (no pickle of arbitrary objects). The
 directory is written under a temporary name and renamed, so a crash never leaves a half

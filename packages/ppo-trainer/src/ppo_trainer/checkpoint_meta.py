@@ -21,39 +21,39 @@ STATE_FILE = "trainer_state.json"
 class TrainerState:
     """The trainer's progress, stored next to the tensors of a checkpoint.
 
-    `consumed_sample_ids` are the `Trajectory.sample_id`s trained on or dropped as stale;
-    `consumed_group_ids` the distinct `group_id`s among them, in first-seen order (a queue
-    that stores one item per group skips by these on resume); `consumed_prompt_ids` the
-    distinct `prompt_id`s (a prompt source skips by these; empty in checkpoints written
-    before trajectories carried them).
+    `consumed_response_ids` are the `Trajectory.response_id`s trained on or dropped as
+    stale; `consumed_group_ids` the distinct `group_id`s among them and `consumed_prompt_ids`
+    the distinct `prompt_id`s, each in first-seen order. A resumed prompt source skips by
+    prompt id (empty in checkpoints written before trajectories carried one); a source of
+    whole groups or single responses can skip by the others.
 
-    Size: both grow with the run (a resume must know every prompt already trained on until
-    the prompt source can checkpoint its own position). The file stays compact: when the
-    sample ids are exactly `f"{group_id}:{i}"` for `i < n` group by group (the rollouter's
-    naming), only the group ids and run-length-encoded group sizes are written
-    (`consumed_group_sizes: [[n, repeat], ...]`) instead of every sample id; anything else
-    falls back to the full `consumed_sample_ids` list. `read_checkpoint_meta` reads both.
+    Size: they grow with the run (a resume must know every prompt already trained on). The
+    file stays compact: when the response ids are exactly `f"{group_id}:{i}"` for `i < n`
+    group by group (the rollouter's naming), only the group ids and run-length-encoded group
+    sizes are written (`consumed_group_sizes: [[n, repeat], ...]`) instead of every response
+    id; anything else falls back to the full `consumed_response_ids` list.
+    `read_checkpoint_meta` reads both, and the key `consumed_sample_ids` of older files.
     """
 
     step: int
     version: int
-    consumed_sample_ids: tuple[str, ...] = ()
+    consumed_response_ids: tuple[str, ...] = ()
     consumed_group_ids: tuple[str, ...] = ()
     consumed_prompt_ids: tuple[str, ...] = ()
 
     def to_json(self, config: dict[str, Any] | None = None) -> str:
-        sizes = _compact_sample_ids(self.consumed_sample_ids, self.consumed_group_ids)
-        samples: dict[str, Any] = (
+        sizes = _compact_response_ids(self.consumed_response_ids, self.consumed_group_ids)
+        responses: dict[str, Any] = (
             {"consumed_group_sizes": sizes}
             if sizes is not None
-            else {"consumed_sample_ids": list(self.consumed_sample_ids)}
+            else {"consumed_response_ids": list(self.consumed_response_ids)}
         )
         return json.dumps(
             {
                 "format": CHECKPOINT_FORMAT,
                 "step": self.step,
                 "version": self.version,
-                **samples,
+                **responses,
                 "consumed_group_ids": list(self.consumed_group_ids),
                 "consumed_prompt_ids": list(self.consumed_prompt_ids),
                 "config": config or {},
@@ -66,30 +66,30 @@ def read_checkpoint_meta(path: str | Path) -> TrainerState:
     meta = _read(Path(path))
     group_ids = tuple(meta.get("consumed_group_ids", ()))
     if "consumed_group_sizes" in meta:
-        sample_ids = _expand_sample_ids(group_ids, meta["consumed_group_sizes"])
-    else:
-        sample_ids = tuple(meta.get("consumed_sample_ids", ()))
+        response_ids = _expand_response_ids(group_ids, meta["consumed_group_sizes"])
+    else:  # `consumed_sample_ids`: the key's name before it said what the ids are
+        response_ids = tuple(meta.get("consumed_response_ids", meta.get("consumed_sample_ids", ())))
     return TrainerState(
         step=int(meta["step"]),
         version=int(meta["version"]),
-        consumed_sample_ids=sample_ids,
+        consumed_response_ids=response_ids,
         consumed_group_ids=group_ids,
         consumed_prompt_ids=tuple(meta.get("consumed_prompt_ids", ())),
     )
 
 
-def _compact_sample_ids(
-    sample_ids: tuple[str, ...], group_ids: tuple[str, ...]
+def _compact_response_ids(
+    response_ids: tuple[str, ...], group_ids: tuple[str, ...]
 ) -> list[list[int]] | None:
-    """Run-length-encoded group sizes when `sample_ids` are `f"{group}:{i}"`, group by group
+    """Run-length-encoded group sizes when `response_ids` are `f"{group}:{i}"`, group by group
     in `group_ids` order; None when they are not (then the full list is written)."""
     sizes: list[list[int]] = []
     position = 0
     for group_id in group_ids:
         count = 0
         while (
-            position + count < len(sample_ids)
-            and sample_ids[position + count] == f"{group_id}:{count}"
+            position + count < len(response_ids)
+            and response_ids[position + count] == f"{group_id}:{count}"
         ):
             count += 1
         if count == 0:
@@ -99,10 +99,10 @@ def _compact_sample_ids(
             sizes[-1][1] += 1
         else:
             sizes.append([count, 1])
-    return sizes if position == len(sample_ids) else None
+    return sizes if position == len(response_ids) else None
 
 
-def _expand_sample_ids(group_ids: tuple[str, ...], sizes: list[list[int]]) -> tuple[str, ...]:
+def _expand_response_ids(group_ids: tuple[str, ...], sizes: list[list[int]]) -> tuple[str, ...]:
     counts = [size for size, repeat in sizes for _ in range(repeat)]
     if len(counts) != len(group_ids):
         raise ValueError("consumed_group_sizes does not match consumed_group_ids")

@@ -156,9 +156,9 @@ class PPOTrainer:
         return self._version
 
     @property
-    def consumed_sample_ids(self) -> tuple[str, ...]:
-        """`sample_id`s trained on or dropped so far (skip them when resuming a source)."""
-        return tuple(self._consumed.sample_ids)
+    def consumed_response_ids(self) -> tuple[str, ...]:
+        """`response_id`s trained on or dropped so far, in first-seen order."""
+        return tuple(self._consumed.response_ids)
 
     @property
     def consumed_group_ids(self) -> tuple[str, ...]:
@@ -587,7 +587,7 @@ class PPOTrainer:
         state = TrainerState(
             step=self._step,
             version=self._version,
-            consumed_sample_ids=tuple(self._consumed.sample_ids),
+            consumed_response_ids=tuple(self._consumed.response_ids),
             consumed_group_ids=tuple(self._consumed.group_ids),
             consumed_prompt_ids=tuple(self._consumed.prompt_ids),
         )
@@ -604,7 +604,7 @@ class PPOTrainer:
         self._version = state.version
         self._weights_are_version = True  # the sink is assumed to get these weights as `version`
         self._consumed = _ConsumedIds(
-            state.consumed_sample_ids, state.consumed_group_ids, state.consumed_prompt_ids
+            state.consumed_response_ids, state.consumed_group_ids, state.consumed_prompt_ids
         )
         logger.info("loaded checkpoint %s (step %d, version %d)", path, self._step, self._version)
 
@@ -626,27 +626,27 @@ class PPOTrainer:
 
 
 class _ConsumedIds:
-    """Distinct sample, group and prompt ids consumed so far, each in first-seen order.
+    """Distinct response, group and prompt ids consumed so far, each in first-seen order.
 
-    Insertion-ordered sets (dict keys): a sample seen twice (re-delivered) is stored once.
-    They grow with the run; a resume needs them until the prompt source checkpoints its
-    position, and `TrainerState.to_json` writes them compactly.
+    Insertion-ordered sets (dict keys): a response seen twice (re-delivered) is stored once.
+    They grow with the run (a resume must skip every prompt trained on);
+    `TrainerState.to_json` writes them compactly.
     """
 
     def __init__(
         self,
-        sample_ids: Sequence[str] = (),
+        response_ids: Sequence[str] = (),
         group_ids: Sequence[str] = (),
         prompt_ids: Sequence[str] = (),
     ) -> None:
-        self.sample_ids: dict[str, None] = dict.fromkeys(sample_ids)
+        self.response_ids: dict[str, None] = dict.fromkeys(response_ids)
         self.group_ids: dict[str, None] = dict.fromkeys(group_ids)
         self.prompt_ids: dict[str, None] = dict.fromkeys(prompt_ids)
 
     def add_groups(self, groups: Sequence[list[Trajectory]]) -> None:
         for group in groups:
             for t in group:
-                self.sample_ids[t.sample_id] = None
+                self.response_ids[t.response_id] = None
                 self.group_ids[t.group_id] = None
                 if t.prompt_id:
                     self.prompt_ids[t.prompt_id] = None

@@ -42,7 +42,9 @@ class Trajectory(msgspec.Struct, kw_only=True):
     """
 
     schema_version: int = TRAJECTORY_SCHEMA_VERSION
-    sample_id: str
+    # This response: "<group_id>:<index in the group>". On the wire it keeps its schema 1-3
+    # name `sample_id`, so payloads of older producers still decode.
+    response_id: str = msgspec.field(name="sample_id")
     group_id: str
     # The `PromptSample.prompt_id` the group was generated from (schema 3; empty in older
     # payloads): what a resumed prompt stream skips, with no parsing of `group_id`.

@@ -414,7 +414,7 @@ class EpisodeRunner:
 
     def _trajectory(self, job: GroupJob, index: int, episode: _Episode) -> Trajectory:
         return Trajectory(
-            sample_id=f"{job.group_id}:{index}",
+            response_id=f"{job.group_id}:{index}",
             group_id=job.group_id,
             prompt_id=job.sample.prompt_id,
             prompt_ids=episode.prompt_ids,

@@ -196,7 +196,7 @@ class GroupRunner:
         generation_s = self._clock() - job.admitted_at
         return [
             Trajectory(
-                sample_id=f"{job.group_id}:{index}",
+                response_id=f"{job.group_id}:{index}",
                 group_id=job.group_id,
                 prompt_id=job.sample.prompt_id,
                 prompt_ids=list(job.sample.prompt_ids),

@@ -40,7 +40,8 @@ __all__ = [
     "count_partial",
 ]
 
-STATS_SCHEMA_VERSION = 1
+# 2: `FailedSample.sample_id` became `prompt_id` (it always held the prompt's id).
+STATS_SCHEMA_VERSION = 2
 
 # How many recent drain-interrupt latencies the counters keep (the max is kept over the run).
 DRAIN_INTERRUPT_WINDOW = 1024
@@ -61,7 +62,7 @@ class FailedSample(msgspec.Struct, kw_only=True):
     """A group that never reached the sink because its task raised (or was cancelled)."""
 
     schema_version: int = STATS_SCHEMA_VERSION
-    sample_id: str  # PromptSample.prompt_id
+    prompt_id: str  # PromptSample.prompt_id of the failed group
     group_id: str
     error_type: str
     message: str

@@ -867,7 +867,7 @@ class Rollouter:
 
     def _record_failure(self, job: GroupJob, error: BaseException) -> None:
         failure = FailedSample(
-            sample_id=job.sample.prompt_id,
+            prompt_id=job.sample.prompt_id,
             group_id=job.group_id,
             error_type=type(error).__name__,
             message=str(error) or repr(error),
