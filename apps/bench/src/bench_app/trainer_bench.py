@@ -126,6 +126,7 @@ def _groups(setup: _Setup, count: int, seed: int) -> list[list[Trajectory]]:
                 Trajectory(
                     response_id=f"{g}/{i}",
                     group_id=str(g),
+                    prompt_id=f"p{g}",
                     prompt_ids=prompt,
                     response_ids=[rng.randrange(3, setup.vocab) for _ in range(length)],
                     behaviour_logprobs=[-7.0 + rng.random() for _ in range(length)],
