@@ -41,9 +41,22 @@ core: its p99 lag stays within 20 ms when the machine has one (tested, skipped w
 run shows the machine too busy to measure); on this 2-core machine shared with other jobs
 (load average 5-7) it measured 20-60 ms, against >= 200 ms for the same tool on the loop.
 
-Failure. An exception from the factory, `reset`, `step`, `close` or the engine fails the
-episode; the group's other episodes are cancelled and the group becomes one failed sample
-(counted by error type by the rollouter), as any group failure does.
+Images. An observation may carry images (`StepResult.images`, or an `Observation` from
+`reset`), and the prompt may be chat `messages` with images (as for single-turn groups): they
+go through the rollouter's `preprocessor` (e.g. `mm_preprocess.VisionPreprocessor`, which
+decodes in its own bounded thread pool, never on the loop) when the observation is appended,
+and every later turn's engine request carries all the episode's images so far, in order, as
+`multi_modal_data={"image": [...]}` (an aborted turn's continuation too). The observation's
+tokens must hold each image's placeholder, as the prompt's do (the rollouter never looks
+inside tokens). The trajectory's `MultiModalRef` names every image of the episode in that
+order: `messages_json` is the prompt's messages (if any) followed by one user message per
+observation with images (its image elements only; the observation's text is in the tokens),
+and `image_sources` lists them, so the trainer decodes the same images again, in order. An
+image with no preprocessor is a `ValueError`: the group fails and is counted, like any failure.
+
+Failure. An exception from the factory, `reset`, `step`, `close`, the preprocessor or the
+engine fails the episode; the group's other episodes are cancelled and the group becomes one
+failed sample (counted by error type by the rollouter), as any group failure does.
 """
 
 from __future__ import annotations
@@ -53,18 +66,21 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import json
 import logging
 import multiprocessing
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from rollout_engine.continuation import PartialResponse, continue_aborted
-from rollout_engine.group import GroupJob
+from rollout_engine.group import GroupJob, image_sources
 from rollout_engine.types import (
     GenerationEngine,
+    MultiModalPreprocessor,
+    MultiModalRef,
     PromptSample,
     RewardFn,
     SamplingConfig,
@@ -77,7 +93,9 @@ __all__ = [
     "EnvironmentFactory",
     "EpisodeConfig",
     "EpisodeRunner",
+    "ImageRef",
     "ModelTurn",
+    "Observation",
     "StepResult",
     "SyncEnvironment",
     "environment_reward",
@@ -107,17 +125,38 @@ class ModelTurn:
     finish_reason: str  # "stop" (EOS or a stop token) or "length" (the turn's token budget)
 
 
+ImageRef = str | Mapping[str, Any]
+"""One image of an observation, as a qwen-vl-utils chat message names it: a path or URI
+(`"/data/a.png"`, `"file:///data/a.png"`, a data URI; http(s) if the preprocessor allows
+remote images), or a whole content element with a string `"image"` and per-image options
+(e.g. `{"image": "/data/a.png", "resized_height": 56, "resized_width": 56}`). References,
+not pixels: the trajectory carries them to the trainer, which decodes them again."""
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """The environment's answer to one turn.
 
     `observation` is appended to the sequence (not trained on) before the next turn unless
-    `done`; `reward` adds to the episode's reward (`Trajectory.reward`).
+    `done`; `reward` adds to the episode's reward (`Trajectory.reward`). `images` are the
+    observation's images, in the order of their placeholders in `observation` (which must
+    hold each image's placeholder tokens, as a VLM prompt does); they need the rollouter's
+    `preprocessor`.
     """
 
     observation: Sequence[int] = ()
     reward: float = 0.0
     done: bool = False
+    images: Sequence[ImageRef] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """A first observation with images: what `reset` returns instead of plain tokens when it
+    shows the model images (same rules as `StepResult.images`)."""
+
+    token_ids: Sequence[int] = ()
+    images: Sequence[ImageRef] = ()
 
 
 @runtime_checkable
@@ -126,8 +165,9 @@ class Environment(Protocol):
     calls to `run_blocking`. An optional `close()` (sync or async) runs when the episode ends,
     however it ends."""
 
-    async def reset(self, sample: PromptSample) -> Sequence[int]:
-        """The first observation's tokens (appended to the prompt; may be empty)."""
+    async def reset(self, sample: PromptSample) -> Sequence[int] | Observation:
+        """The first observation's tokens (appended to the prompt; may be empty), or an
+        `Observation` with images."""
         ...
 
     async def step(self, turn: ModelTurn) -> StepResult: ...
@@ -137,7 +177,7 @@ class Environment(Protocol):
 class SyncEnvironment(Protocol):
     """A plain (blocking) environment: the runner calls its methods in the tool pool."""
 
-    def reset(self, sample: PromptSample) -> Sequence[int]: ...
+    def reset(self, sample: PromptSample) -> Sequence[int] | Observation: ...
 
     def step(self, turn: ModelTurn) -> StepResult: ...
 
@@ -216,6 +256,24 @@ class _Episode:
     reward: float = 0.0
     resumes: int = 0
     finish_reason: str = "max_turns"
+    # Every image of the episode in placeholder order (prompt first): the decoded images for
+    # the engine, and the chat messages naming them for the trajectory's MultiModalRef.
+    images: list[Any] = field(default_factory=list)
+    image_messages: list[dict[str, Any]] = field(default_factory=list)
+    has_multimodal: bool = False  # a messages prompt or an image observation
+
+    @property
+    def multi_modal_data(self) -> dict[str, Any] | None:
+        """What the next engine request carries (a copy: later images are not added to it)."""
+        return {"image": list(self.images)} if self.images else None
+
+    def multimodal_ref(self) -> MultiModalRef | None:
+        if not self.has_multimodal:
+            return None
+        return MultiModalRef(
+            messages_json=json.dumps(self.image_messages, default=str),
+            image_sources=image_sources(self.image_messages),
+        )
 
     @property
     def length(self) -> int:
@@ -240,6 +298,9 @@ class EpisodeRunner:
     """Turns a `GroupJob` into `group_size` scored episodes (the rollouter's group runner
     when it is given an environment factory). `close()` shuts the tool pool down.
 
+    `preprocessor` (the rollouter's) decodes the images of chat-message prompts and of
+    observations, in its own bounded pool; None: an image fails its group.
+
     Snapshots (`rollout_engine.snapshot`) do not carry episodes: `responses_of` is always
     None, so an episode in flight at a snapshot is restored as a fresh admission of its
     prompt (its generated tokens are discarded, never delivered twice).
@@ -259,8 +320,10 @@ class EpisodeRunner:
         on_resubmit: Callable[[], Awaitable[None]],
         clock: Callable[[], float],
         reward_executor: Callable[[], Executor],
+        preprocessor: MultiModalPreprocessor | None = None,
     ) -> None:
         self._engine = _CountingEngine(engine)
+        self._preprocessor = preprocessor
         self._reward_fn = reward_fn
         self._environment = environment
         self._config = config
@@ -288,17 +351,16 @@ class EpisodeRunner:
                 pool.shutdown(wait=False, cancel_futures=True)
 
     async def run(self, job: GroupJob) -> list[Trajectory]:
-        if job.sample.messages is not None:
-            raise ValueError(
-                f"prompt {job.sample.prompt_id}: multi-turn episodes take token prompts only "
-                "(chat messages with images are not supported yet)"
-            )
+        # The prompt's images are decoded once for the whole group (as for single-turn).
+        prompt_images = await self._prompt_images(job.sample)
         # This task's context: its episodes (and their run_blocking calls) inherit it.
         _TOOL_POOL.set(self._tool_pool())
         if self._config.tool_processes > 0:
             _PROCESS_POOL.set(self._process_pool)
         members = [
-            asyncio.create_task(self._episode(job, index), name=f"episode:{job.group_id}:{index}")
+            asyncio.create_task(
+                self._episode(job, index, prompt_images), name=f"episode:{job.group_id}:{index}"
+            )
             for index in range(self._group_size)
         ]
         try:
@@ -317,10 +379,12 @@ class EpisodeRunner:
 
     # ------------------------------------------------------------------ one episode
 
-    async def _episode(self, job: GroupJob, index: int) -> Trajectory:
+    async def _episode(
+        self, job: GroupJob, index: int, prompt_images: list[Any] | None
+    ) -> Trajectory:
         env = self._environment(job.sample)
         try:
-            episode = await self._play(job, index, env)
+            episode = await self._play(job, index, env, prompt_images)
         except BaseException:
             await self._close(env, quiet=True)  # the episode's own error wins
             raise
@@ -328,11 +392,24 @@ class EpisodeRunner:
         return self._trajectory(job, index, episode)
 
     async def _play(
-        self, job: GroupJob, index: int, env: Environment | SyncEnvironment
+        self,
+        job: GroupJob,
+        index: int,
+        env: Environment | SyncEnvironment,
+        prompt_images: list[Any] | None,
     ) -> _Episode:
         config = self._config
         first = await self._call(env.reset, job.sample)
+        first_images: Sequence[ImageRef] = ()
+        if isinstance(first, Observation):
+            first, first_images = first.token_ids, first.images
         episode = _Episode(prompt_ids=[*job.sample.prompt_ids, *first])
+        if prompt_images is not None:
+            assert job.sample.messages is not None
+            episode.images.extend(prompt_images)
+            episode.image_messages.extend(job.sample.messages)
+            episode.has_multimodal = True
+        await self._add_images(episode, job, first_images, "the first observation")
         for turn in range(config.max_turns):
             budget = min(self._sampling.max_tokens, config.max_total_tokens - episode.length)
             if budget <= 0:
@@ -344,6 +421,7 @@ class EpisodeRunner:
                 f"{job.group_id}:{index}:t{turn}",
                 [*episode.prompt_ids, *episode.token_ids],
                 dataclasses.replace(self._sampling, max_tokens=budget),
+                episode.multi_modal_data,
             )
             episode.add_turn(response)
             result = await self._call(
@@ -365,8 +443,49 @@ class EpisodeRunner:
             if episode.length + len(observation) >= config.max_total_tokens:
                 episode.finish_reason = "length"
                 break
+            await self._add_images(
+                episode, job, result.images, f"the observation after turn {turn}"
+            )
+            # Read after the images' await: the version is never older than the turn's.
             episode.add_observation(observation, self._engine.version)
         return episode
+
+    async def _prompt_images(self, sample: PromptSample) -> list[Any] | None:
+        """The decoded images of a chat-message prompt (None for a token prompt)."""
+        if sample.messages is None:
+            return None
+        return await self._decode(sample.messages, f"prompt {sample.prompt_id} has messages")
+
+    async def _add_images(
+        self, episode: _Episode, job: GroupJob, images: Sequence[ImageRef], what: str
+    ) -> None:
+        """Decode an observation's images (in the preprocessor's pool) and add them to the
+        episode: to every later engine request and to the trajectory's MultiModalRef."""
+        if not images:
+            return
+        message = {"role": "user", "content": [_image_element(image) for image in images]}
+        decoded = await self._decode(
+            [message], f"prompt {job.sample.prompt_id}: {what} has {len(images)} image(s)"
+        )
+        if len(decoded) != len(images):
+            raise ValueError(
+                f"prompt {job.sample.prompt_id}: the preprocessor returned {len(decoded)} "
+                f"images for the {len(images)} of {what}"
+            )
+        episode.images.extend(decoded)
+        episode.image_messages.append(message)
+        episode.has_multimodal = True
+
+    async def _decode(self, messages: list[dict[str, Any]], what: str) -> list[Any]:
+        """`preprocessor.process_vision_info(messages)` images (result[0]); it decodes in its
+        own bounded thread pool, never on this loop."""
+        if self._preprocessor is None:
+            raise ValueError(
+                f"{what} but the rollouter has no preprocessor: pass "
+                "Rollouter(preprocessor=...), e.g. an mm_preprocess.VisionPreprocessor"
+            )
+        result = await self._preprocessor.process_vision_info(messages)
+        return list(result[0] or [])
 
     async def _close(self, env: Environment | SyncEnvironment, *, quiet: bool) -> None:
         close = getattr(env, "close", None)
@@ -380,10 +499,16 @@ class EpisodeRunner:
             logger.warning("closing the environment of a failed episode raised", exc_info=True)
 
     async def _generate(
-        self, request_id: str, context: list[int], sampling: SamplingConfig
+        self,
+        request_id: str,
+        context: list[int],
+        sampling: SamplingConfig,
+        multi_modal_data: dict[str, Any] | None,
     ) -> PartialResponse:
         """One turn; an aborted request (weight push, abort mode) continues to the end."""
-        [completion] = await self._engine.generate(request_id, context, sampling, n=1)
+        [completion] = await self._engine.generate(
+            request_id, context, sampling, n=1, multi_modal_data=multi_modal_data
+        )
         response = PartialResponse.from_completion(completion)
         if response.aborted:
             await continue_aborted(
@@ -392,7 +517,7 @@ class EpisodeRunner:
                 request_id=request_id,
                 prompt_ids=context,
                 sampling=sampling,
-                multi_modal_data=None,
+                multi_modal_data=multi_modal_data,
                 wait_until_resumed=self._wait_until_resumed,
                 on_resubmit=self._on_resubmit,
             )
@@ -429,6 +554,7 @@ class EpisodeRunner:
                 generation_s=self._clock() - job.admitted_at,
             ),
             num_resumes=episode.resumes,
+            multimodal=episode.multimodal_ref(),
             loss_mask=episode.loss_mask,
             turn_starts=episode.turn_starts,
         )
@@ -462,6 +588,18 @@ class EpisodeRunner:
                 max_workers=self._config.tool_workers, thread_name_prefix="rollout-tools"
             )
         return self._pool
+
+
+def _image_element(image: ImageRef) -> dict[str, Any]:
+    """An `ImageRef` as a qwen-vl-utils image content element."""
+    if isinstance(image, str):
+        return {"type": "image", "image": image}
+    if isinstance(image, Mapping) and isinstance(image.get("image"), str):
+        return {"type": "image", **image}
+    raise TypeError(
+        "an observation image is a path/URI string or a mapping with a string 'image' "
+        f"(a reference the trainer can decode again), got {image!r:.80}"
+    )
 
 
 class _CountingEngine:

@@ -331,6 +331,7 @@ class Rollouter:
                 on_resubmit=self._count_resubmit,
                 clock=clock,
                 reward_executor=self._reward_executor,
+                preprocessor=preprocessor,
             )
 
     # ------------------------------------------------------------------ public API
