@@ -199,7 +199,7 @@ async def test_image_observations_are_decoded_off_the_loop_and_kept_in_order(
             else:
                 assert observation == []
             # Turn `turn`'s request carries every image shown before it, in order.
-            member = t.sample_id.rsplit(":", 1)[1]
+            member = t.response_id.rsplit(":", 1)[1]
             call = next(c for c in engine.calls if c.request_id == f"{t.group_id}:{member}:t{turn}")
             assert call.prompt_ids == [*t.prompt_ids, *t.response_ids[:start]]
             assert call.multi_modal_data is not None
@@ -237,7 +237,7 @@ async def test_a_chat_prompt_image_comes_first_and_is_decoded_once_per_group(
         assert t.multimodal is not None
         assert t.multimodal.image_sources == [prompt_image, *(images[k] for k in env.shown)]
         assert "?" in t.multimodal.messages_json  # the prompt's own messages lead
-        member = t.sample_id.rsplit(":", 1)[1]
+        member = t.response_id.rsplit(":", 1)[1]
         last = next(c for c in engine.calls if c.request_id == f"{t.group_id}:{member}:t1")
         assert last.multi_modal_data is not None
         assert [_which(image) for image in last.multi_modal_data["image"]] == [5, *env.shown]

@@ -27,11 +27,11 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 
 def _make_item(index: int, version: int = 0, size: int = 8, producer: str = "p") -> QueueItem:
-    """An item whose sample_id records who made it and in which order."""
+    """An item whose item_id records who made it and in which order."""
     return QueueItem(
         payload=index.to_bytes(4, "little") * (size // 4 or 1),
         version=version,
-        sample_id=f"{producer}-{index}",
+        item_id=f"{producer}-{index}",
         metadata={"producer": producer},
     )
 
@@ -122,7 +122,7 @@ async def run_stress(
                 QueueItem(
                     payload=bytes(prng.randint(0, 64)),
                     version=version[0] - prng.randint(0, 3),
-                    sample_id=f"{name}-{serial + k}",
+                    item_id=f"{name}-{serial + k}",
                 )
                 for k in range(count)
             ]
@@ -139,7 +139,7 @@ async def run_stress(
                 continue
             except QueueClosed:
                 return  # another producer failed the queue
-            result.produced_ids.extend(item.sample_id for item in batch)
+            result.produced_ids.extend(item.item_id for item in batch)
             if prng.random() < 0.3:
                 await asyncio.sleep(prng.random() * 0.002)
 
@@ -150,7 +150,7 @@ async def run_stress(
             roll = prng.random()
             try:
                 if roll < 0.3:
-                    got.append((await queue.get(timeout=prng.random() * 0.01)).sample_id)
+                    got.append((await queue.get(timeout=prng.random() * 0.01)).item_id)
                 elif roll < 0.95:
                     n = prng.randint(1, 8)
                     stale = prng.random() < 0.3
@@ -162,7 +162,7 @@ async def run_stress(
                         max_staleness=max_staleness if stale else None,
                     )
                     assert batch, "get_batch never returns an empty list"
-                    got.extend(item.sample_id for item in batch)
+                    got.extend(item.item_id for item in batch)
                 else:
                     stats = await _stats_of(queue)
                     assert stats.produced == stats.consumed + stats.dropped_total + stats.size

@@ -69,9 +69,9 @@ async def test_block_policy_producer_waits_in_the_actor(make_item) -> None:
     await wait_until_waiting(client)
     assert not producer.done()
     assert (await client.stats()).waiting_producers == 1
-    assert [i.sample_id for i in await client.get_batch(2)] == ["p-0", "p-1"]
+    assert [i.item_id for i in await client.get_batch(2)] == ["p-0", "p-1"]
     await asyncio.wait_for(producer, WAIT)
-    assert [i.sample_id for i in await client.get_batch(2, min_items=2)] == ["p-2", "p-3"]
+    assert [i.item_id for i in await client.get_batch(2, min_items=2)] == ["p-2", "p-3"]
     assert (await client.stats()).put_wait_s > 0
     ray.kill(client.handle)
 
@@ -79,7 +79,7 @@ async def test_block_policy_producer_waits_in_the_actor(make_item) -> None:
 async def test_drop_oldest_and_reject_policies_through_the_actor(make_item) -> None:
     dropping = MessageQueueClient.create(maxsize=3, policy="drop_oldest")
     await dropping.put_many([make_item(i) for i in range(5)])
-    assert [i.sample_id for i in await dropping.get_batch(5)] == ["p-2", "p-3", "p-4"]
+    assert [i.item_id for i in await dropping.get_batch(5)] == ["p-2", "p-3", "p-4"]
     stats = await dropping.stats()
     assert stats.dropped == {"overflow": 2}
     check_invariant(stats)
@@ -99,7 +99,7 @@ async def test_close_while_many_consumers_wait(make_item) -> None:
     client = MessageQueueClient.create(maxsize=8)
 
     async def iterate() -> list[str]:
-        return [item.sample_id async for item in client]
+        return [item.item_id async for item in client]
 
     waiters = [asyncio.create_task(client.get()) for _ in range(4)]
     waiters += [asyncio.create_task(client.get_batch(4, min_items=4)) for _ in range(4)]
@@ -180,7 +180,7 @@ async def test_hundreds_of_waiting_consumers_do_not_lock_out_the_producer(make_i
     await wait_until_waiting(client, 1.0)
     await asyncio.wait_for(client.put_many([make_item(i) for i in range(300)]), WAIT)
     got = await asyncio.wait_for(asyncio.gather(*consumers), WAIT)
-    assert sorted(item.sample_id for item in got) == sorted(f"p-{i}" for i in range(300))
+    assert sorted(item.item_id for item in got) == sorted(f"p-{i}" for i in range(300))
     ray.kill(client.handle)
 
 
@@ -189,7 +189,7 @@ async def test_named_queue_connect_and_pickle(make_item) -> None:
     creator = MessageQueueClient.create(maxsize=8, name=name, namespace="aq-tests")
     await creator.put(make_item(1))
     found = await MessageQueueClient.connect(name, namespace="aq-tests")
-    assert (await found.get()).sample_id == "p-1"
+    assert (await found.get()).item_id == "p-1"
     copy = pickle.loads(pickle.dumps(found))
     assert isinstance(copy, MessageQueueClient)
     await copy.put(make_item(2))

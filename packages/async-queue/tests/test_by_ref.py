@@ -34,7 +34,7 @@ MIB = 1024 * 1024
 
 def _item(serial: int, size: int, version: int = 0) -> QueueItem:
     payload = (serial.to_bytes(4, "little") + os.urandom(12)) * (size // 16) + bytes(size % 16)
-    return QueueItem(payload=payload, version=version, sample_id=f"s-{serial}")
+    return QueueItem(payload=payload, version=version, item_id=f"s-{serial}")
 
 
 def plasma_objects() -> int:
@@ -149,7 +149,7 @@ async def test_consumed_and_dropped_payloads_are_freed_from_the_object_store() -
     queued = await asyncio.to_thread(plasma_objects)
     assert queued >= before + 20, (before, queued)
     got = await client.get_batch(10, current_version=3, max_staleness=1)  # drops versions 0, 1
-    assert [i.sample_id for i in got] == [f"s-{i}" for i in range(10, 20)]
+    assert [i.item_id for i in got] == [f"s-{i}" for i in range(10, 20)]
     assert (await client.stats()).dropped == {"stale": 10}
     del got
     assert await asyncio.to_thread(wait_for_objects, before) <= before
@@ -171,7 +171,7 @@ async def test_no_by_ref_item_lost_or_doubled_when_gets_are_cancelled() -> None:
 
     async def consume() -> None:
         batch = await client.get_batch(4, min_items=2)
-        delivered.extend(item.sample_id for item in batch)
+        delivered.extend(item.item_id for item in batch)
 
     for _ in range(40):
         await client.put_many([_item(serial + k, 64 * 1024) for k in range(3)])
@@ -187,7 +187,7 @@ async def test_no_by_ref_item_lost_or_doubled_when_gets_are_cancelled() -> None:
     rest: list[str] = []
     while True:
         try:
-            rest += [i.sample_id for i in await client.get_batch(64, timeout=5.0)]
+            rest += [i.item_id for i in await client.get_batch(64, timeout=5.0)]
         except QueueTimeout:
             pytest.fail("a closed queue must end with QueueClosed")
         except QueueClosed:

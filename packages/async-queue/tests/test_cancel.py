@@ -22,7 +22,7 @@ BATCH = 4
 
 
 def _item(serial: int) -> QueueItem:
-    return QueueItem(payload=serial.to_bytes(4, "little"), version=0, sample_id=f"s-{serial}")
+    return QueueItem(payload=serial.to_bytes(4, "little"), version=0, item_id=f"s-{serial}")
 
 
 async def test_no_item_lost_when_a_get_is_cancelled_while_producing() -> None:
@@ -41,7 +41,7 @@ async def test_no_item_lost_when_a_get_is_cancelled_while_producing() -> None:
 
     async def consume() -> None:
         batch = await client.get_batch(BATCH, min_items=BATCH)
-        delivered.extend(item.sample_id for item in batch)  # no await in between
+        delivered.extend(item.item_id for item in batch)  # no await in between
 
     for trial in range(TRIALS):
         consumer = asyncio.create_task(consume())
@@ -65,7 +65,7 @@ async def test_no_item_lost_when_a_get_is_cancelled_while_producing() -> None:
     rest: list[str] = []
     while True:
         try:
-            rest += [i.sample_id for i in await client.get_batch(64, timeout=1.0)]
+            rest += [i.item_id for i in await client.get_batch(64, timeout=1.0)]
         except QueueTimeout:
             pytest.fail("a closed queue must end with QueueClosed")
         except QueueClosed:

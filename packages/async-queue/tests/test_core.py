@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 from async_queue import (
     FullPolicy,
@@ -11,6 +12,7 @@ from async_queue import (
     ProducerFailed,
     QueueClosed,
     QueueFull,
+    QueueItem,
     QueueStats,
     QueueTimeout,
 )
@@ -33,7 +35,7 @@ async def test_fifo_order_across_put_and_put_many(make_item) -> None:
     await queue.put(make_item(0))
     await queue.put_many([make_item(i) for i in range(1, 10)])
     got = [await queue.get()] + await queue.get_batch(4) + await queue.get_batch(100)
-    assert [item.sample_id for item in got] == [f"p-{i}" for i in range(10)]
+    assert [item.item_id for item in got] == [f"p-{i}" for i in range(10)]
     stats = queue.stats()
     assert (stats.produced, stats.consumed, stats.size) == (10, 10, 0)
     check_invariant(stats)
@@ -45,9 +47,9 @@ async def test_block_policy_waits_for_room_and_counts_wait(make_item) -> None:
     producer = asyncio.create_task(queue.put(make_item(2)))
     await asyncio.sleep(0.05)
     assert not producer.done()  # full: the producer waits
-    assert (await queue.get()).sample_id == "p-0"
+    assert (await queue.get()).item_id == "p-0"
     await asyncio.wait_for(producer, WAIT)
-    assert [i.sample_id for i in await queue.get_batch(5)] == ["p-1", "p-2"]
+    assert [i.item_id for i in await queue.get_batch(5)] == ["p-1", "p-2"]
     stats = queue.stats()
     assert stats.put_wait_s >= 0.04
     assert stats.dropped_total == 0
@@ -59,7 +61,7 @@ async def test_block_policy_batch_larger_than_maxsize_goes_through_in_order(make
     producer = asyncio.create_task(queue.put_many([make_item(i) for i in range(10)]))
     got: list[str] = []
     while len(got) < 10:
-        got += [i.sample_id for i in await asyncio.wait_for(queue.get_batch(2), WAIT)]
+        got += [i.item_id for i in await asyncio.wait_for(queue.get_batch(2), WAIT)]
     await asyncio.wait_for(producer, WAIT)
     assert got == [f"p-{i}" for i in range(10)]
 
@@ -69,7 +71,7 @@ async def test_drop_oldest_policy_evicts_and_counts(make_item) -> None:
     await queue.put_many([make_item(i) for i in range(4)])  # p-0 evicted
     await queue.put(make_item(4))  # p-1 evicted
     await queue.put_many([make_item(i) for i in range(5, 10)])  # 3 queued + p-5, p-6 evicted
-    assert [i.sample_id for i in await queue.get_batch(10)] == ["p-7", "p-8", "p-9"]
+    assert [i.item_id for i in await queue.get_batch(10)] == ["p-7", "p-8", "p-9"]
     stats = queue.stats()
     assert stats.dropped == {"overflow": 7}
     assert stats.produced == 10
@@ -84,7 +86,7 @@ async def test_reject_policy_raises_and_enqueues_nothing(make_item) -> None:
     await queue.put(make_item(2))
     with pytest.raises(QueueFull):
         await queue.put(make_item(3))
-    assert [i.sample_id for i in await queue.get_batch(10)] == ["p-0", "p-1", "p-2"]
+    assert [i.item_id for i in await queue.get_batch(10)] == ["p-0", "p-1", "p-2"]
     stats = queue.stats()
     assert (stats.rejected, stats.produced, stats.dropped_total) == (3, 3, 0)
     check_invariant(stats)
@@ -185,7 +187,7 @@ async def test_min_items_waits_for_a_full_batch(make_item) -> None:
         assert not consumer.done()
     await queue.put_many([make_item(3), make_item(4)])
     batch = await asyncio.wait_for(consumer, WAIT)
-    assert [i.sample_id for i in batch] == ["p-0", "p-1", "p-2", "p-3"]
+    assert [i.item_id for i in batch] == ["p-0", "p-1", "p-2", "p-3"]
     assert queue.qsize() == 1
 
 
@@ -201,7 +203,7 @@ async def test_staleness_drops_are_counted_and_wait_continues(make_item) -> None
     assert (queue.stats().oldest_version, queue.stats().newest_version) == (0, 5)
     # current 5, max_staleness 2: versions < 3 are stale (p-0 v0, p-2 v1).
     batch = await queue.get_batch(10, current_version=5, max_staleness=2)
-    assert [(i.sample_id, i.version) for i in batch] == [("p-1", 3), ("p-3", 4), ("p-4", 5)]
+    assert [(i.item_id, i.version) for i in batch] == [("p-1", 3), ("p-3", 4), ("p-4", 5)]
     stats = queue.stats()
     assert stats.dropped == {"stale": 2}
     assert (stats.oldest_version, stats.newest_version) == (None, None)  # empty queue
@@ -217,7 +219,7 @@ async def test_staleness_drops_are_counted_and_wait_continues(make_item) -> None
     await queue.put_many([make_item(22, version=10), make_item(23, version=8)])
     await queue.put(make_item(24, version=11))
     batch = await asyncio.wait_for(consumer, WAIT)
-    assert [i.sample_id for i in batch] == ["p-21", "p-22"]
+    assert [i.item_id for i in batch] == ["p-21", "p-22"]
     assert queue.stats().dropped == {"stale": 4}
     check_invariant(queue.stats())
 
@@ -244,7 +246,7 @@ async def test_blocked_producer_gets_queue_closed_on_close(make_item) -> None:
     await queue.close()
     with pytest.raises(QueueClosed):
         await asyncio.wait_for(producer, WAIT)
-    assert (await queue.get()).sample_id == "p-0"
+    assert (await queue.get()).item_id == "p-0"
 
 
 async def test_stats_metrics_use_the_design_names(make_item) -> None:
@@ -307,7 +309,7 @@ async def test_requeue_puts_items_back_at_the_head_as_not_consumed(make_item) ->
     assert (stats.size, stats.consumed, stats.requeued, stats.oldest_version) == (4, 0, 2, 0)
     check_invariant(stats)
     await queue.close()  # a closed queue still delivers what was handed back
-    assert [i.sample_id for i in await queue.get_batch(10)] == ["p-0", "p-1", "p-2", "p-3"]
+    assert [i.item_id for i in await queue.get_batch(10)] == ["p-0", "p-1", "p-2", "p-3"]
     check_invariant(queue.stats())
 
     failing = MessageQueue(maxsize=4)
@@ -318,3 +320,10 @@ async def test_requeue_puts_items_back_at_the_head_as_not_consumed(make_item) ->
     stats = failing.stats()
     assert (stats.size, stats.consumed, stats.dropped) == (0, 0, {"producer_failed": 2})
     check_invariant(stats)
+
+
+def test_item_id_keeps_its_schema_1_wire_name() -> None:
+    """`item_id` was `sample_id`; the wire keeps that name, so older producers still decode."""
+    wire = msgspec.to_builtins(QueueItem(payload=b"x", version=3, item_id="g7", produced_at=1.0))
+    assert wire["sample_id"] == "g7" and "item_id" not in wire
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(wire), type=QueueItem).item_id == "g7"

@@ -38,7 +38,7 @@ class Producer:
         while serial < count:
             size = 1 if serial % 3 == 0 else batch
             items = [
-                QueueItem(payload=os.urandom(1024), version=serial // 10, sample_id=str(n))
+                QueueItem(payload=os.urandom(1024), version=serial // 10, item_id=str(n))
                 for n in range(serial, min(serial + size, count))
             ]
             if len(items) == 1:
@@ -63,8 +63,8 @@ class Consumer:
         self.queue = queue
 
     async def consume(self, batch: int) -> list[str]:
-        ids = [item.sample_id for item in await self.queue.get_batch(batch, min_items=batch)]
-        ids += [item.sample_id async for item in self.queue]
+        ids = [item.item_id for item in await self.queue.get_batch(batch, min_items=batch)]
+        ids += [item.item_id async for item in self.queue]
         return ids
 
     async def wait_for_failure(self) -> list[str]:
@@ -159,7 +159,7 @@ async def test_producer_actor_failure_reaches_consumer_actor(ray_logs_dir: Path)
     producer = Producer.remote(queue)
     consumer = Consumer.remote(queue)
     waiting = consumer.wait_for_failure.remote()
-    await queue.put(QueueItem(payload=b"x", version=0, sample_id="0"))
+    await queue.put(QueueItem(payload=b"x", version=0, item_id="0"))
     await producer.fail.remote("vLLM engine died")
     error_type, message = await asyncio.wait_for(waiting, WAIT)
     assert error_type == "ProducerFailed"

@@ -43,11 +43,11 @@ class CountingHandle:
 
 
 def _item(serial: int) -> QueueItem:
-    return QueueItem(payload=serial.to_bytes(4, "little"), version=0, sample_id=f"s-{serial}")
+    return QueueItem(payload=serial.to_bytes(4, "little"), version=0, item_id=f"s-{serial}")
 
 
 async def _ids(client: MessageQueueClient, n: int) -> list[str]:
-    return [i.sample_id for i in await client.get_batch(n, min_items=n, timeout=WAIT)]
+    return [i.item_id for i in await client.get_batch(n, min_items=n, timeout=WAIT)]
 
 
 async def test_concurrent_puts_coalesce_into_few_calls_in_order() -> None:

@@ -23,12 +23,12 @@ def test_sync_client_in_plain_code(make_item) -> None:
     with pytest.raises(QueueFull):
         client.put_many([make_item(3), make_item(4)])
     assert client.size() == 3
-    assert client.get().sample_id == "p-0"
-    assert [i.sample_id for i in client.get_batch(1)] == ["p-1"]
+    assert client.get().item_id == "p-0"
+    assert [i.item_id for i in client.get_batch(1)] == ["p-1"]
     with pytest.raises(QueueTimeout):
         client.get_batch(3, timeout=0.1, min_items=3)
     client.close()
-    assert [item.sample_id for item in client] == ["p-2"]  # drains, then the loop ends
+    assert [item.item_id for item in client] == ["p-2"]  # drains, then the loop ends
     with pytest.raises(QueueClosed):
         client.get()
     with pytest.raises(QueueClosed):

@@ -138,7 +138,7 @@ def _define_contenders() -> dict[str, Contender]:
         now = time.time()
         return [
             QueueItem(
-                payload=payloads[i % len(payloads)], version=0, sample_id=str(i), produced_at=now
+                payload=payloads[i % len(payloads)], version=0, item_id=str(i), produced_at=now
             )
             for i in range(start, start + count)
         ]
@@ -252,7 +252,7 @@ async def _measure(name: str, contender: Contender, case: Case) -> dict[str, Any
     await asyncio.gather(producer.__ray_ready__.remote(), consumer.__ray_ready__.remote())
     # One item through each queue first: one-time start-up (async_queue starts its payload
     # helper on the first by-ref put) stays out of the timed run.
-    warm = QueueItem(payload=os.urandom(case.payload_bytes), version=0, sample_id="warm-up")
+    warm = QueueItem(payload=os.urandom(case.payload_bytes), version=0, item_id="warm-up")
     if isinstance(queue, MessageQueueClient):
         await queue.put(warm)
         await queue.get()

@@ -38,7 +38,7 @@ class QueueTrajectorySink:
             QueueItem(
                 payload=msgspec.msgpack.encode(group),
                 version=min(versions) if versions else 0,
-                sample_id=group[0].group_id,  # the queue's own name for an item's id
+                item_id=group[0].group_id,
                 produced_at=time.time(),
             )
         )

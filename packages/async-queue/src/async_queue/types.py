@@ -46,7 +46,9 @@ class QueueItem(msgspec.Struct, kw_only=True, frozen=True):
     schema_version: int = QUEUE_ITEM_SCHEMA_VERSION
     payload: bytes
     version: int
-    sample_id: str
+    # The producer's id for this item (a group id, in the app). Its wire name stays
+    # `sample_id`, as in schema 1, so items of older producers still decode.
+    item_id: str = msgspec.field(name="sample_id")
     produced_at: float = msgspec.field(default_factory=time.time)
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
 
