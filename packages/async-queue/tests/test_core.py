@@ -324,6 +324,9 @@ async def test_requeue_puts_items_back_at_the_head_as_not_consumed(make_item) ->
 
 def test_item_id_keeps_its_schema_1_wire_name() -> None:
     """`item_id` was `sample_id`; the wire keeps that name, so older producers still decode."""
-    wire = msgspec.to_builtins(QueueItem(payload=b"x", version=3, item_id="g7", produced_at=1.0))
+    encoded = msgspec.msgpack.encode(
+        QueueItem(payload=b"x", version=3, item_id="g7", produced_at=1.0)
+    )
+    wire = msgspec.msgpack.decode(encoded)
     assert wire["sample_id"] == "g7" and "item_id" not in wire
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(wire), type=QueueItem).item_id == "g7"
