@@ -2,7 +2,8 @@
 
 Failure handling: if a rollouter dies, the driver fails the queue with the cause, so the
 trainer's next read raises `ProducerFailed` and the run exits non-zero within seconds; if the
-trainer or the queue dies, its error ends the run the same way.
+trainer (any of its ranks: `--trainer-workers`) or the queue dies, its error ends the run the
+same way.
 
 Stopping (SIGINT / Ctrl-C and SIGTERM alike; the driver installs its own handlers, whatever
 disposition it inherited, and replaces the SIGTERM handler `ray.init` puts in place, which
@@ -50,6 +51,9 @@ __all__ = ["RunFailed", "RunInterrupted", "RunResult", "run"]
 
 # How often the driver polls metrics and actor health.
 POLL_S = 0.5
+# After one trainer rank fails, how long the driver waits for the others' errors (a dead
+# rank breaks their collectives within a moment) so that the failure names them all.
+RANK_FAILURE_GRACE_S = 2.0
 # Environment of every actor process: in-process vLLM engine core, no hub access.
 WORKER_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -65,6 +69,10 @@ WORKER_ENV = {
 
 class RunFailed(RuntimeError):
     """An actor of the run failed; the message carries the cause."""
+
+
+class TrainerRankFailed(RuntimeError):
+    """One rank of a trainer of several failed (the message names it); `__cause__` is why."""
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -155,6 +163,8 @@ def run(
 def _startup_line(config: TrainConfig, run_dir: Path) -> str:
     replicas = config.rollout_replicas
     engines = f"{replicas} vLLM engine{'s' if replicas > 1 else ''}"
+    if config.trainer_workers > 1:
+        engines += f", {config.trainer_workers} trainer ranks"
     logs = "logs on the terminal" if config.verbose else f"logs in {run_dir / 'logs'}"
     return f"[bold]{run_dir.name}[/]: {config.task}, {config.mode}, {engines}; {logs}"
 
@@ -452,7 +462,8 @@ class _Session:
         self.config, self.plan, self.console, self.stopper = config, run_plan, console, stopper
         self.run_dir = Path(run_plan.trainer.run_dir)
         self.rollouts: list[Any] = []
-        self.trainer: Any = None
+        self.trainers: list[Any] = []  # one actor per rank
+        self.trainer: Any = None  # rank 0: reads the queue, pushes weights, keeps metrics
         self.queue: Any = None
         self.writer: MetricsWriter | None = None
         self.records: list[dict[str, Any]] = []
@@ -471,7 +482,8 @@ class _Session:
         self.records = list(self.writer.kept)
         self.queue = _create_queue(self.plan)
         self.rollouts = _create_rollouters(self.plan, self.queue)
-        self.trainer = _create_trainer(self.plan, self.queue, self.rollouts)
+        self.trainers = _create_trainers(self.plan, self.queue, self.rollouts)
+        self.trainer = self.trainers[0]
         await self._start_actors()
         train_started = time.monotonic()
         trainer_summary = await self._train()
@@ -489,7 +501,7 @@ class _Session:
         with self.console.status("starting vLLM (tens of seconds on CPU)..."):
             engines, trainer_load_s = await asyncio.gather(
                 asyncio.gather(*(_await(r.start.remote()) for r in self.rollouts)),
-                _await(self.trainer.setup.remote()),
+                self._setup_trainers(),
             )
         self.timings.update(
             actors_s=time.monotonic() - t0, engine_s=max(engines), trainer_load_s=trainer_load_s
@@ -497,21 +509,31 @@ class _Session:
         logger.info("actors up in %.1f s (engines %s s)", self.timings["actors_s"], engines)
         await self._write_pids()
 
+    async def _setup_trainers(self) -> float:
+        """Every trainer rank joins the group at rank 0's address (several ranks) and loads
+        the model, all at once; returns the slowest rank's seconds."""
+        init_method = None
+        if len(self.trainers) > 1:
+            init_method = await _await(self.trainer.rendezvous.remote())
+        loads = await asyncio.gather(*(_await(t.setup.remote(init_method)) for t in self.trainers))
+        return max(loads)
+
     async def _write_pids(self) -> None:
         rollout_pids = await asyncio.gather(*(_await(r.pids.remote()) for r in self.rollouts))
-        trainer_pids = await _await(self.trainer.pids.remote())
+        trainer_pids = await asyncio.gather(*(_await(t.pids.remote()) for t in self.trainers))
         pids = {
             "driver": os.getpid(),
             "rollout": [p[0] for p in rollout_pids],
             "engine": [pid for p in rollout_pids for pid in p[1:]],
-            "trainer": trainer_pids[0],
+            "trainer": trainer_pids[0][0],
+            "trainer_ranks": [p[0] for p in trainer_pids],
         }
         (self.run_dir / "actors.json").write_text(json.dumps(pids))
 
     async def _train(self) -> dict[str, Any]:
         """Train while watching every actor; returns the trainer's summary."""
         started = time.monotonic()
-        train_ref = asyncio.ensure_future(_await(self.trainer.train.remote()))
+        train_ref = asyncio.ensure_future(self._train_ranks())
         self.stopper.graceful = self._stop_training
         rollout_refs = [asyncio.ensure_future(_await(r.wait.remote())) for r in self.rollouts]
         for ref in rollout_refs:  # their end after a clean stop is not news
@@ -527,9 +549,29 @@ class _Session:
             )
         return summary
 
+    async def _train_ranks(self) -> dict[str, Any]:
+        """`train()` on every trainer rank at once (it is collective); rank 0's summary, with
+        `rank_steps`: each rank's steps. A failed rank fails it, with every rank's error (a
+        dead rank makes the others' collectives fail too, so all are named)."""
+        refs = [asyncio.ensure_future(_await(t.train.remote())) for t in self.trainers]
+        for ref in refs:  # errors read after the run ended (killed actors) are not news
+            ref.add_done_callback(lambda f: f.cancelled() or f.exception())
+        _, pending = await asyncio.wait(refs, return_when=asyncio.FIRST_EXCEPTION)
+        if len(refs) == 1 and refs[0].exception() is not None:
+            raise refs[0].exception()  # type: ignore[misc]
+        if pending:  # one failed: give the others a moment to report theirs
+            await asyncio.wait(pending, timeout=RANK_FAILURE_GRACE_S)
+        failed = [(r, f.exception()) for r, f in enumerate(refs) if f.done() and f.exception()]
+        if failed:
+            causes = "; ".join(f"rank {r} of {len(refs)}: {exc}" for r, exc in failed)
+            raise TrainerRankFailed(causes) from failed[0][1]
+        summaries = [ref.result() for ref in refs]
+        return {**summaries[0], "rank_steps": [s["steps"] for s in summaries]}
+
     def _stop_training(self) -> bool:
         """First SIGINT/SIGTERM while training: the trainer finishes its step, checkpoints
-        and returns (see TrainerActor.stop); `_watch` then sees `train` end."""
+        and returns (see TrainerActor.stop; rank 0 releases the others); `_watch` then sees
+        `train` end."""
         self.trainer.stop.remote()  # fire and forget: train()'s end is the answer
         return True
 
@@ -625,6 +667,7 @@ class _Session:
             summary["interrupted_by"] = signal.Signals(self.stopper.signum).name
             summary["checkpoint_step"] = trainer_summary.get("checkpoint_step")
         full = {**summary, "startup": {k: round(v, 2) for k, v in self.timings.items()}}
+        full["trainer_rank_steps"] = trainer_summary.get("rank_steps", [])
         (self.run_dir / "summary.json").write_text(json.dumps(full, indent=2))
         print_summary(summary, self.console)
         return RunResult(self.run_dir, full)
@@ -642,7 +685,7 @@ class _Session:
         """Kill every actor at once (no graceful stop); a no-op for those already dead."""
         import ray
 
-        for actor in [*self.rollouts, self.trainer, getattr(self.queue, "handle", None)]:
+        for actor in [*self.rollouts, *self.trainers, getattr(self.queue, "handle", None)]:
             if actor is not None:
                 with contextlib.suppress(Exception):  # already dead is fine
                     ray.kill(actor)
@@ -664,11 +707,17 @@ def _create_rollouters(run_plan: RunPlan, queue: Any) -> list[Any]:
     return [RolloutActor.options(num_cpus=1).remote(r, queue) for r in run_plan.replicas]
 
 
-def _create_trainer(run_plan: RunPlan, queue: Any, rollouts: list[Any]) -> Any:
-    """The trainer actor (one CPU); it pushes weights to every rollouter."""
+def _create_trainers(run_plan: RunPlan, queue: Any, rollouts: list[Any]) -> list[Any]:
+    """One trainer actor per rank (one CPU each); rank 0 reads the queue and pushes weights
+    to every rollouter, the others get neither."""
     from train_app.actors import TrainerActor
 
-    return TrainerActor.options(num_cpus=1).remote(run_plan.trainer, queue, rollouts)
+    return [
+        TrainerActor.options(num_cpus=1).remote(
+            rank_plan, *((queue, rollouts) if rank_plan.rank == 0 else (None, []))
+        )
+        for rank_plan in run_plan.trainer_ranks
+    ]
 
 
 def _resume_point(config: TrainConfig, run_dir: Path) -> ResumePoint:
