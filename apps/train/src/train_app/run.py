@@ -563,7 +563,8 @@ class _Session:
             await asyncio.wait(pending, timeout=RANK_FAILURE_GRACE_S)
         failed = [(r, f.exception()) for r, f in enumerate(refs) if f.done() and f.exception()]
         if failed:
-            causes = "; ".join(f"rank {r} of {len(refs)}: {exc}" for r, exc in failed)
+            failed.sort(key=lambda f: not _actor_died(f[1]))  # the dead rank is the cause
+            causes = "; ".join(f"rank {r} of {len(refs)}: {_brief(exc)}" for r, exc in failed)
             raise TrainerRankFailed(causes) from failed[0][1]
         summaries = [ref.result() for ref in refs]
         return {**summaries[0], "rank_steps": [s["steps"] for s in summaries]}
@@ -737,6 +738,22 @@ def _resume_point(config: TrainConfig, run_dir: Path) -> ResumePoint:
         )
     prompts = frozenset(meta.consumed_prompt_ids)
     return ResumePoint(str(checkpoint.resolve()), meta.step, meta.version, prompts)
+
+
+def _actor_died(exc: BaseException | None) -> bool:
+    from ray.exceptions import ActorDiedError
+
+    return isinstance(exc, ActorDiedError)
+
+
+def _brief(exc: BaseException) -> str:
+    """One line of an actor's error: the exception a Ray task raised (not Ray's traceback)."""
+    from ray.exceptions import RayTaskError
+
+    if isinstance(exc, RayTaskError) and exc.cause is not None:
+        exc = exc.cause
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 async def _await(ref: Any) -> Any:
