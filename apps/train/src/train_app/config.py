@@ -102,8 +102,8 @@ class TrainConfig:
     """Optimisation passes over each batch."""
 
     trainer_workers: int = 1
-    """Data-parallel trainer ranks, one Ray actor each (torch.distributed: gloo and DDP on
-    CPU, NCCL and FSDP2 on GPU). Each rank trains on a group-aligned shard of every batch
+    """Data-parallel trainer ranks, one Ray actor each (torch.distributed; the app's trainer
+    runs on CPU, so gloo and DDP). Each rank trains on a group-aligned shard of every batch
     with global loss denominators, so N ranks compute the update of one; rank 0 reads the
     queue, pushes weights and writes checkpoints. 1: one process, no torch.distributed."""
 
