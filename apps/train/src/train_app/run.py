@@ -47,7 +47,7 @@ from train_app.replica_metrics import aggregate_replica_metrics
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunFailed", "RunInterrupted", "RunResult", "run"]
+__all__ = ["RunFailed", "RunInterrupted", "RunResult", "TrainerRankFailed", "run"]
 
 # How often the driver polls metrics and actor health.
 POLL_S = 0.5
@@ -566,7 +566,7 @@ class _Session:
             failed.sort(key=lambda f: not _actor_died(f[1]))  # the dead rank is the cause
             causes = "; ".join(f"rank {r} of {len(refs)}: {_brief(exc)}" for r, exc in failed)
             raise TrainerRankFailed(causes) from failed[0][1]
-        summaries = [ref.result() for ref in refs]
+        summaries = [await ref for ref in refs]  # all done: returns at once
         return {**summaries[0], "rank_steps": [s["steps"] for s in summaries]}
 
     def _stop_training(self) -> bool:
