@@ -369,11 +369,17 @@ class TrainerActor:
         if self._plan.rank == 0:
             await asyncio.to_thread(update_latest, path, self._trainer.config.keep_checkpoints)
 
-    async def drain_metrics(self) -> list[tuple[int, dict[str, Any]]]:
-        """New per-step records since the last call, with this loop's lag added."""
-        records, self._records = self._records, []
+    async def drain_metrics(
+        self, written_step: int | None = None
+    ) -> list[tuple[int, dict[str, Any]]]:
+        """Per-step records after `written_step` (the last step the driver has written; its
+        records and those before are dropped here), with this loop's lag added. A record is
+        kept until the driver says it was written: a reply lost to the driver's timeout
+        (a loaded machine) is sent again, so no step's row goes missing."""
+        if written_step is not None:
+            self._records = [(step, m) for step, m in self._records if step > written_step]
         lag = self._lag.metrics(prefix="event_loop/trainer") if hasattr(self, "_lag") else {}
-        return [(step, {**m, **lag}) for step, m in records]
+        return [(step, {**m, **lag}) for step, m in self._records]
 
     async def pids(self) -> list[int]:
         return _process_tree()

@@ -467,6 +467,7 @@ class _Session:
         self.queue: Any = None
         self.writer: MetricsWriter | None = None
         self.records: list[dict[str, Any]] = []
+        self._kept_records = 0
         self.rollout_metrics: dict[str, Any] = {}
         # Seconds of each start-up phase (summary.json's `startup`): prepare (model, plan)
         # and ray (start or join) side by side, prepare_and_ray (both); actors (engines and
@@ -480,6 +481,7 @@ class _Session:
         # A resumed run continues from its checkpoint's step: history after it is rewound.
         self.writer = MetricsWriter(self.run_dir, resume_step=self.plan.resume.step)
         self.records = list(self.writer.kept)
+        self._kept_records = len(self.records)  # rows of a resumed run's earlier steps
         self.queue = _create_queue(self.plan)
         self.rollouts = _create_rollouters(self.plan, self.queue)
         self.trainers = _create_trainers(self.plan, self.queue, self.rollouts)
@@ -617,10 +619,12 @@ class _Session:
             queue_metrics = (await asyncio.wait_for(self.queue.stats(), 5)).as_metrics()
         except Exception:
             queue_metrics = {}
+        written = self.records[-1]["step"] if len(self.records) > self._kept_records else None
         try:
-            records = await asyncio.wait_for(_await(self.trainer.drain_metrics.remote()), 5)
+            drain = self.trainer.drain_metrics.remote(written)
+            records = await asyncio.wait_for(_await(drain), 5)
         except Exception:
-            records = []
+            records = []  # sent again next time (kept by the trainer until written)
         assert self.writer is not None
         for step, metrics in records:
             record = {**self.rollout_metrics, **queue_metrics, **metrics}
