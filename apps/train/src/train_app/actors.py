@@ -122,6 +122,8 @@ class RolloutActor:
             environment=getattr(task, "environment", None),
             episode=getattr(task, "episode", None),
         )
+        if plan.restore is not None:  # a resumed run's in-flight groups (train_app.inflight)
+            self._rollouter.restore(plan.restore)
         self._lag.reset()  # report the steady state, not the engine start-up
         self._run_task = asyncio.create_task(self._run())
         return float(getattr(self._engine, "startup_s", 0.0))
@@ -167,8 +169,21 @@ class RolloutActor:
     async def metrics(self) -> dict[str, Any]:
         metrics = dict(self._rollouter.metrics())
         metrics.update(self._lag.metrics(prefix="event_loop"))
-        metrics["rollout/failed"] = float(self._rollouter.stats().failed)
+        stats = self._rollouter.stats()
+        metrics["rollout/failed"] = float(stats.failed)
+        if self._plan.restore is not None:  # what this replica continued from the checkpoint
+            metrics["rollout/resume_restored"] = float(stats.restored)
+            metrics["rollout/resume_dropped_stale"] = float(stats.restore_dropped)
+            metrics["rollout/resume_dropped_tokens"] = float(stats.restore_dropped_tokens)
         return metrics
+
+    async def snapshot_in_flight(self) -> Any:
+        """The rollouter's in-flight groups now (`Rollouter.snapshot_in_flight`; the run goes
+        on), for the trainer to write into its checkpoint (`train_app.inflight`); None when
+        the rollout loop is not running (not started yet, or ended)."""
+        if self._run_task is None or self._run_task.done():
+            return None
+        return await self._rollouter.snapshot_in_flight()
 
     async def pids(self) -> list[int]:
         """This actor's process and its children (vLLM's engine core), for tests and ops."""
@@ -266,6 +281,7 @@ class TrainerActor:
             metrics_sink=self,
             mm_inputs_fn=mm_inputs_fn,
             pad_token_id=tokenizer.pad_token_id or 0,
+            on_checkpoint=self._save_inflight,
         )
         if self._stop_requested:  # stop() came while the model was loading
             self._trainer.stop()
@@ -302,6 +318,13 @@ class TrainerActor:
             checkpoint_step = step
         await self._lag.stop()
         return {**summary.as_dict(), "checkpoint_step": checkpoint_step}
+
+    async def _save_inflight(self, checkpoint: Path) -> None:
+        """`PPOTrainer`'s checkpoint hook: every replica's in-flight groups go into the
+        checkpoint directory, so `--resume` continues them (`train_app.inflight`)."""
+        from train_app.inflight import snapshot_replicas
+
+        await snapshot_replicas(self._rollout_actors, checkpoint)
 
     async def _save_final(self, checkpoints: Path) -> None:
         from ppo_trainer.checkpoint import update_latest

@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from train_app.config import TrainConfig, to_toml
+from train_app.inflight import load_inflight
 from train_app.outputs import MetricsWriter, plot_run, print_summary
 from train_app.plan import MAX_MODEL_LEN_CAP, ResumePoint, RunPlan, plan, ray_num_cpus
 from train_app.replica_metrics import aggregate_replica_metrics
@@ -672,7 +673,8 @@ def _create_trainer(run_plan: RunPlan, queue: Any, rollouts: list[Any]) -> Any:
 
 
 def _resume_point(config: TrainConfig, run_dir: Path) -> ResumePoint:
-    """The checkpoint of a run to resume (its `latest`), read without torch."""
+    """The checkpoint of a run to resume (its `latest`) and the in-flight groups saved with
+    it (`train_app.inflight`), read without torch."""
     if config.resume is None:
         return ResumePoint()
     from ppo_trainer import read_checkpoint_meta
@@ -687,7 +689,8 @@ def _resume_point(config: TrainConfig, run_dir: Path) -> ResumePoint:
             "(schema 3), so the prompts it trained on are unknown; start a new run"
         )
     prompts = frozenset(meta.consumed_prompt_ids)
-    return ResumePoint(str(checkpoint.resolve()), meta.step, meta.version, prompts)
+    inflight = load_inflight(checkpoint, consumed_prompt_ids=prompts, group_size=config.group_size)
+    return ResumePoint(str(checkpoint.resolve()), meta.step, meta.version, prompts, inflight)
 
 
 async def _await(ref: Any) -> Any:
