@@ -27,6 +27,7 @@ from train_app.inflight import (
     redistribute,
     restored_prompt_ids,
     snapshot_replicas,
+    without_prompts,
 )
 from train_app.plan import ResumePoint, plan
 
@@ -85,35 +86,54 @@ def test_snapshots_of_another_group_size_are_skipped(tmp_path: Path) -> None:
 
 def test_same_replica_count_keeps_each_replicas_groups() -> None:
     saved = (_snapshot(_group("a", 3)), _snapshot(), _snapshot(_group("c", 1)))
-    dealt = redistribute(saved, 3)
+    dealt = redistribute(saved, [2, 2, 2])
     assert [_ids(s) for s in dealt] == [["a"], [], ["c"]]
     assert dealt[1] is None
 
 
-@pytest.mark.parametrize("replicas", [1, 2, 3, 5])
-def test_other_replica_counts_get_every_group_once_balanced_by_tokens(replicas: int) -> None:
+@pytest.mark.parametrize("shares", [[6], [3, 3], [2, 2, 2], [2, 1, 1, 1, 1]])
+def test_other_replica_counts_get_every_group_once_in_proportion_to_their_shares(
+    shares: list[int],
+) -> None:
     saved = (
-        _snapshot(_group("a1", 40), _group("a2", 0), _group("a3", 10), version=4),
-        _snapshot(_group("b1", 30), _group("b2", 20), _group("b3", 0), version=5),
+        _snapshot(_group("a1", 40, 5), _group("a2", 0), _group("a3", 10, 4), version=5),
+        _snapshot(_group("b1", 30, 5), _group("b2", 20, 3), _group("b3", 0), version=5),
+        _snapshot(_group("c1", 5, 4), version=4),
     )
-    if replicas == 2:
-        saved = (*saved, _snapshot())  # three files into two replicas
-    dealt = redistribute(saved, replicas)
-    assert len(dealt) == replicas
+    if len(shares) == 3:
+        saved = (*saved, _snapshot())  # four files into three replicas
+    dealt = redistribute(saved, shares)
+    assert len(dealt) == len(shares)
     ids = [p for s in dealt for p in _ids(s)]
-    assert sorted(ids) == ["a1", "a2", "a3", "b1", "b2", "b3"]
+    assert sorted(ids) == ["a1", "a2", "a3", "b1", "b2", "b3", "c1"]
     assert restored_prompt_ids(dealt) == frozenset(ids)
     live = [s for s in dealt if s is not None]
     assert all(s.version == 5 and s.group_size == 2 for s in live)
-    tokens = [s.generated_tokens for s in live]
-    if replicas <= 3:  # fewer replicas than groups with tokens: each continues some
-        assert len(live) == replicas
-        assert max(tokens) - min(tokens) <= 80  # no replica gets everything
+    counts = [len(_ids(s)) for s in dealt]
+    total = sum(shares)
+    for count, share in zip(counts, shares, strict=True):  # within one group of its share
+        assert abs(count - 7 * share / total) < 1 + 1e-9, (counts, shares)
+    for s in live:  # each replica admits its oldest groups first
+        versions = [g.min_version for g in s.groups]
+        known = [v for v in versions if v is not None]
+        assert known == sorted(known) and versions[: len(known)] == known
+
+
+def test_a_replica_without_a_share_is_rejected() -> None:
+    with pytest.raises(ValueError, match="share"):
+        redistribute((_snapshot(_group("a", 1)),), [2, 0])
 
 
 def test_nothing_saved_restores_nothing() -> None:
-    assert redistribute((), 2) == (None, None)
-    assert redistribute((_snapshot(),), 1) == (None,)
+    assert redistribute((), [1, 1]) == (None, None)
+    assert redistribute((_snapshot(),), [4]) == (None,)
+
+
+def test_a_restarted_replica_continues_only_what_was_not_delivered() -> None:
+    saved = _snapshot(_group("a", 3), _group("b", 2))
+    assert _ids(without_prompts(saved, {"a"})) == ["b"]
+    assert without_prompts(saved, {"a", "b"}) is None
+    assert without_prompts(None, ()) is None
 
 
 def test_plan_deals_the_saved_groups_and_every_replica_skips_their_prompts() -> None:
@@ -176,3 +196,31 @@ def test_every_answering_replica_writes_its_file_and_the_others_are_listed(
     assert (saved.groups, saved.tokens) == (3, 6 + 4)
     assert _ids(load_snapshot(saved.files[1])) == ["e", "f"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [p.name for p in saved.files]
+
+
+def test_the_driver_resumes_with_the_latest_checkpoints_partials(tmp_path: Path) -> None:
+    """`run`'s resume point (torch-free): the checkpoint `latest` names, its consumed prompts,
+    and its in-flight groups less those prompts; `plan` then deals them."""
+    from ppo_trainer import TrainerState
+    from ppo_trainer.checkpoint_meta import STATE_FILE
+    from train_app.run import _resume_point
+
+    checkpoint = tmp_path / "checkpoints" / "step_000004"
+    checkpoint.mkdir(parents=True)
+    state = TrainerState(
+        step=4, version=4, consumed_group_ids=("s1000-0:0",), consumed_prompt_ids=("s1000-0",)
+    )
+    (checkpoint / STATE_FILE).write_text(state.to_json())
+    (tmp_path / "checkpoints" / "latest").symlink_to("step_000004", target_is_directory=True)
+    save_snapshot(
+        _snapshot(_group("s1000-0", 3), _group("s1000-5", 4)), inflight_path(checkpoint, 0)
+    )
+    save_snapshot(_snapshot(_group("s1001-2", 1)), inflight_path(checkpoint, 1))
+    config = TrainConfig(resume=tmp_path, rollout_replicas=1, batch_size=4, group_size=2)
+
+    resume = _resume_point(config, tmp_path)
+    assert (resume.step, resume.version, resume.checkpoint) == (4, 4, str(checkpoint))
+    assert [_ids(s) for s in resume.inflight] == [["s1000-5"], ["s1001-2"]]  # s1000-0 trained
+    (replica,) = plan(config, resume=resume).replicas
+    assert _ids(replica.restore) == ["s1000-5", "s1001-2"]
+    assert replica.consumed_prompt_ids == {"s1000-0", "s1000-5", "s1001-2"}

@@ -14,7 +14,8 @@ prompts are then generated afresh at a resume (nothing is lost but its tokens).
 Resume: the driver reads every file of the checkpoint (`load_inflight`), leaves out groups of
 prompts the checkpoint already trained on (a group handed to the queue at the very moment of
 the snapshot) and repeats, and `redistribute` deals the rest to the resumed run's replicas
-(their count may differ from the saved run's). Each replica `Rollouter.restore`s its share
+(their count may differ from the saved run's) in proportion to their batch shares. Each
+replica `Rollouter.restore`s its share
 before it generates: a restored group is admitted ahead of new prompts and its unfinished
 responses continue from `prompt + tokens so far`, so the tokens generated before the
 checkpoint reach training with their original versions and log-probs. Every replica's
@@ -53,6 +54,7 @@ __all__ = [
     "redistribute",
     "restored_prompt_ids",
     "snapshot_replicas",
+    "without_prompts",
 ]
 
 INFLIGHT_GLOB = "inflight-replica*.msgpack"
@@ -164,17 +166,22 @@ def load_inflight(
 
 
 def redistribute(
-    snapshots: Sequence[RolloutSnapshot], replicas: int
+    snapshots: Sequence[RolloutSnapshot], shares: Sequence[int]
 ) -> tuple[RolloutSnapshot | None, ...]:
-    """One snapshot (or None: nothing to restore) per replica of the resumed run.
+    """One snapshot (or None: nothing to restore) per replica of the resumed run, whose
+    replica i admits `shares[i]` groups per version (`plan.split_batch`).
 
     With as many snapshots as replicas, replica i continues what replica i had in flight.
-    Otherwise every group goes, in order, to the replica with the fewest generated tokens
-    so far (ties: the lower index), so each continues a similar amount of work. Each
-    replica's snapshot carries the newest `version` of those it draws from (informational:
-    a restore checks staleness against the resumed version)."""
-    if replicas < 1:
-        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    Otherwise the groups are dealt oldest first (by their oldest token's version; groups
+    with no token last) to the replica with the fewest per share, ties to the fewer
+    generated tokens, then the lower index. In proportion to the shares, because a replica's
+    admission budget is: what the saved run had in flight fits in the resumed run's first
+    k + 1 versions, so every restored group is admitted at once and delivered while its
+    tokens are fresh enough. Each replica's snapshot carries the newest `version` of those it
+    draws from (informational: a restore checks staleness against the resumed version)."""
+    replicas = len(shares)
+    if replicas < 1 or min(shares) < 1:
+        raise ValueError(f"every replica needs a share >= 1, got {list(shares)}")
     if not any(s.groups for s in snapshots):
         return (None,) * replicas
     if len(snapshots) == replicas:
@@ -184,23 +191,38 @@ def redistribute(
         raise ValueError("snapshots of different group sizes cannot be merged")
     version = max(s.version for s in snapshots)
     taken_at = max(s.taken_at for s in snapshots)
-    shares: list[list[GroupSnapshot]] = [[] for _ in range(replicas)]
-    load = [0] * replicas
-    for group in (g for s in snapshots for g in s.groups):
-        target = min(range(replicas), key=lambda i: (load[i], len(shares[i]), i))
-        shares[target].append(group)
-        load[target] += group.generated_tokens
+    groups = [g for s in snapshots for g in s.groups]
+    groups.sort(key=lambda g: (g.min_version is None, g.min_version or 0))  # stable
+    dealt: list[list[GroupSnapshot]] = [[] for _ in range(replicas)]
+    tokens = [0] * replicas
+    for group in groups:
+        target = min(range(replicas), key=lambda i: (len(dealt[i]) / shares[i], tokens[i], i))
+        dealt[target].append(group)
+        tokens[target] += group.generated_tokens
     return tuple(
-        RolloutSnapshot(version=version, group_size=group_size, taken_at=taken_at, groups=share)
-        if share
+        RolloutSnapshot(version=version, group_size=group_size, taken_at=taken_at, groups=mine)
+        if mine
         else None
-        for share in shares
+        for mine in dealt
     )
 
 
 def restored_prompt_ids(snapshots: Iterable[RolloutSnapshot | None]) -> frozenset[str]:
     """The prompt ids the snapshots continue: no replica's prompt stream admits them."""
     return frozenset(p for s in snapshots if s is not None for p in s.prompt_ids())
+
+
+def without_prompts(
+    snapshot: RolloutSnapshot | None, prompt_ids: Iterable[str]
+) -> RolloutSnapshot | None:
+    """`snapshot` less the groups of `prompt_ids` (None if nothing is left): what a replica
+    started again in the same run (an elastic restart) still has to continue, given the
+    prompts its predecessor already delivered."""
+    if snapshot is None:
+        return None
+    done = set(prompt_ids)
+    groups = [g for g in snapshot.groups if g.sample.prompt_id not in done]
+    return msgspec.structs.replace(snapshot, groups=groups) if groups else None
 
 
 async def _await(ref: Any) -> Any:

@@ -172,7 +172,7 @@ def plan(
     resume = resume or ResumePoint()
     k = config.effective_staleness
     shares = split_batch(config.batch_size, config.rollout_replicas)
-    restores = redistribute(resume.inflight, len(shares))
+    restores = redistribute(resume.inflight, shares)
     skip = resume.consumed_prompt_ids | restored_prompt_ids(restores)
     pin = config.rollout_replicas == 1 and cpu_count >= 2 and not config.ray_address
     run_dir = Path(run_dir)
