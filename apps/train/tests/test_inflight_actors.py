@@ -108,7 +108,9 @@ class _Phase:
         self.trained: list[list[Trajectory]] = []
 
     async def start(self) -> None:
-        await asyncio.gather(*(_await(a.start.remote()) for a in self.actors))
+        """As the driver does: every engine up, then every rollout loop at once."""
+        await asyncio.gather(*(_await(a.start.remote(begin=False)) for a in self.actors))
+        await asyncio.gather(*(_await(a.begin.remote()) for a in self.actors))
 
     async def step(self) -> None:
         """One trainer step: a batch at the current version (staleness checked as
@@ -145,7 +147,9 @@ def _assert_continued(snapshot: RolloutSnapshot, trained: dict[str, list[Traject
     tokens, log-probs and versions; returns the tokens checked."""
     checked = 0
     for saved in snapshot.groups:
-        group = trained[saved.sample.prompt_id]  # KeyError: a saved group was lost
+        group = trained.get(saved.sample.prompt_id)
+        if group is None:  # dropped at delivery as too stale: counted (see the caller)
+            continue
         assert group[0].group_id == saved.group_id
         if not saved.responses:  # nothing generated yet: it started from the prompt
             continue
@@ -207,13 +211,22 @@ async def test_tokens_in_flight_at_a_checkpoint_reach_training_after_a_resume(
     second = _Phase(second_plan, version=resume_version)
     await second.start()
     restored = {g.sample.prompt_id for g in resumed_snapshot.groups}
-    while not restored <= set(_prompt_ids(second.trained)):
+    while not restored <= set(_prompt_ids(second.trained)) and second.version < resume_version + 4:
         await second.step()
     metrics = await second.metrics()
+    stale_drops = (await second.queue.stats()).dropped.get("stale", 0)
     await second.kill()
 
     trained = {group[0].prompt_id: group for group in second.trained}
-    assert _assert_continued(kept, trained) >= sum(g.generated_tokens for g in kept.groups) > 0
+    # A group saved with tokens exactly k versions old must be in the first batch after the
+    # resume; a new group finishing first can take its place (as for any straggler): it is
+    # then dropped at delivery and counted by the queue. Every other one reaches training.
+    lost = [g for g in kept.groups if g.sample.prompt_id not in trained]
+    assert all(g.min_version == resume_version - K for g in lost), lost
+    assert len(lost) <= stale_drops
+    continued = [g for g in kept.groups if g not in lost]
+    tokens = sum(g.generated_tokens for g in continued)
+    assert _assert_continued(kept, trained) == tokens > 0
     # The too-stale group: trained once, on tokens generated after the resume only.
     fresh = trained[stale.sample.prompt_id]
     assert all(min(t.token_versions) >= resume_version for t in fresh)

@@ -117,6 +117,10 @@ def test_resume_continues_the_checkpoints_partials_in_another_replica_count(
     final = read_checkpoint_meta(latest)
     # No prompt trained twice across the resume, and the continued prompts were trained on.
     assert len(final.consumed_group_ids) == len(set(final.consumed_prompt_ids)) == 8 * BATCH
-    assert after[-1]["queue/dropped"] == 0  # none too stale at delivery either
-    assert partial_ids <= set(final.consumed_prompt_ids)
+    # Every continued prompt was trained on, or dropped at delivery as too stale and counted
+    # there (a group saved with tokens exactly k versions old must be in the resumed run's
+    # first batch; a new group that finishes first can take its place, as for any straggler).
+    missing = partial_ids - set(final.consumed_prompt_ids)
+    assert len(missing) <= after[-1]["queue/dropped"], (missing, after[-1]["queue/dropped"])
+    assert len(missing) < len(partial_ids)
     assert len(list(latest.glob("inflight-replica*.msgpack"))) == 3  # the resumed run's

@@ -77,9 +77,12 @@ class RolloutActor:
         self._run_task: asyncio.Task[Any] | None = None
         self._stale_drops_seen = 0
 
-    async def start(self) -> float:
-        """Start the engine (tens of seconds on CPU) and the rollout loop; returns the
-        engine's start-up seconds."""
+    async def start(self, begin: bool = True) -> float:
+        """Start the engine (tens of seconds on CPU) and, with `begin`, the rollout loop;
+        returns the engine's start-up seconds. The driver starts every replica with
+        `begin=False`, then `begin()`s them together once every engine is up: a resumed run's
+        restored partials (oldest tokens first) then reach the queue ahead of any replica's
+        new groups, so they are trained on before their tokens grow too stale."""
         from mm_preprocess import EventLoopLagMonitor
         from rollout_engine import Rollouter
         from transformers import AutoTokenizer
@@ -124,9 +127,15 @@ class RolloutActor:
         )
         if plan.restore is not None:  # a resumed run's in-flight groups (train_app.inflight)
             self._rollouter.restore(plan.restore)
-        self._lag.reset()  # report the steady state, not the engine start-up
-        self._run_task = asyncio.create_task(self._run())
+        if begin:
+            await self.begin()
         return float(getattr(self._engine, "startup_s", 0.0))
+
+    async def begin(self) -> None:
+        """Start the rollout loop (once)."""
+        if self._run_task is None:
+            self._lag.reset()  # report the steady state, not the engine start-up
+            self._run_task = asyncio.create_task(self._run())
 
     async def _run(self) -> dict[str, Any]:
         try:

@@ -489,8 +489,7 @@ class _Session:
         t0 = time.monotonic()
         with self.console.status("starting vLLM (tens of seconds on CPU)..."):
             engines, trainer_load_s = await asyncio.gather(
-                asyncio.gather(*(_await(r.start.remote()) for r in self.rollouts)),
-                _await(self.trainer.setup.remote()),
+                _start_together(self.rollouts), _await(self.trainer.setup.remote())
             )
         self.timings.update(
             actors_s=time.monotonic() - t0, engine_s=max(engines), trainer_load_s=trainer_load_s
@@ -649,6 +648,15 @@ class _Session:
                     ray.kill(actor)
         if self.writer is not None:
             self.writer.close()
+
+
+async def _start_together(rollouts: list[Any]) -> list[float]:
+    """Start every replica's engine, then every rollout loop at once (`RolloutActor.start`):
+    engines come up seconds apart, and a replica that began early would fill the first
+    batches with new groups while another's restored partials wait."""
+    engines = await asyncio.gather(*(_await(r.start.remote(begin=False)) for r in rollouts))
+    await asyncio.gather(*(_await(r.begin.remote()) for r in rollouts))
+    return list(engines)
 
 
 def _create_queue(run_plan: RunPlan) -> Any:
