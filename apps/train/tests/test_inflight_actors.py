@@ -38,7 +38,7 @@ from train_app.actors import RolloutActor
 from train_app.config import TrainConfig
 from train_app.inflight import load_inflight, snapshot_replicas
 from train_app.plan import ResumePoint, RunPlan, plan
-from train_app.run import WORKER_ENV
+from train_app.run import WORKER_ENV, _start_local_ray
 from train_app.tiny_model import build_tiny_qwen2
 from train_app.wiring import QueueBatchSource
 
@@ -55,12 +55,15 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         ray.shutdown()
     runs = tmp_path_factory.mktemp("inflight")
     env = {**WORKER_ENV, "TORCHINDUCTOR_CACHE_DIR": str(runs / ".inductor")}
-    ray.init(
+    # Ray's start is retried as the app does (`run._start_local_ray`): its raylet gives its
+    # agents a fixed time to start, which a heavily loaded 2-core machine can miss.
+    _start_local_ray(
         num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": env},
-        _temp_dir=os.environ.get("RAY_TMPDIR", "/tmp/ray"),
+        options={
+            "log_to_driver": False,
+            "runtime_env": {"env_vars": env},
+            "_temp_dir": os.environ.get("RAY_TMPDIR", "/tmp/ray"),
+        },
     )
     try:
         yield
