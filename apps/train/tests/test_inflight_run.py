@@ -10,8 +10,10 @@ per-token check (saved tokens reach training with their versions and log-probs) 
 reports what it trained on through its checkpoint (prompt ids) and metrics.
 
 Cost: one local Ray cluster, then two runs (2 replicas, 4 steps; resumed with 3 replicas to
-step 8), each starting its actors (torch, transformers; no vLLM): about 4 minutes measured
-with the 2 cores shared by a load of 12. Slow.
+step 8), each starting its actors (torch, transformers; no vLLM): 243-373 s measured with
+the 2 cores shared by a load of 12-18. Slow. In the passing run 5 groups were continued
+and 2 of them (saved with tokens exactly k versions old) were overtaken by new groups and
+dropped at delivery, counted in `queue/dropped` (see `train_app.inflight`).
 """
 
 from __future__ import annotations
