@@ -145,6 +145,14 @@ def test_resume_continues_without_consuming_a_sample_twice(tmp_path: Path) -> No
     code, out = _finish(_start(run_dir, *SHORT))
     assert code == 0, out[-4000:]
     first = _records(run_dir)
+    from ppo_trainer import read_checkpoint_meta
+    from train_app.inflight import load_inflight
+
+    # The checkpoint holds the engine's in-flight partials; the resume continues them.
+    latest = run_dir / "checkpoints" / "latest"
+    assert (latest / "inflight-replica0.msgpack").exists()
+    consumed = read_checkpoint_meta(latest).consumed_prompt_ids
+    saved = [g for s in load_inflight(latest, consumed_prompt_ids=consumed) for g in s.groups]
     code, out = _finish(
         subprocess.Popen(
             [sys.executable, str(APP), "--resume", str(run_dir), "--steps", "9", "--no-progress"],
@@ -158,8 +166,9 @@ def test_resume_continues_without_consuming_a_sample_twice(tmp_path: Path) -> No
     records = _records(run_dir)
     assert [r["step"] for r in records] == [*range(1, 7), 7, 8, 9]
     assert records[6]["trainer/version"] >= first[-1]["trainer/version"]
-    from ppo_trainer import read_checkpoint_meta
-
+    if saved:
+        assert records[-1]["rollout/resume_restored"] == len(saved)
+        assert records[-1]["rollout/resume_dropped_stale"] == 0
     meta = read_checkpoint_meta(run_dir / "checkpoints" / "latest")
     assert len(meta.consumed_group_ids) == len(set(meta.consumed_group_ids)) == 9 * 4
     # The trainer records each prompt it consumes once, so 36 distinct prompts for 36 groups

@@ -110,6 +110,31 @@ async def test_periodic_checkpoints_from_train(tmp_path: Path) -> None:
     assert meta.consumed_response_ids == tuple(t.response_id for g in GROUPS[:6] for t in g)
 
 
+async def test_on_checkpoint_adds_files_before_latest_moves(tmp_path: Path) -> None:
+    """The hook (the app's: rollouters' in-flight partials) runs after the directory is
+    written and before `latest` names it, for periodic and explicit saves alike."""
+    seen: list[tuple[str, str | None]] = []
+
+    async def hook(path: Path) -> None:
+        assert (path / "trainer_state.json").exists()
+        latest = tmp_path / "latest"
+        seen.append((path.name, latest.resolve().name if latest.exists() else None))
+        (path / "extra.bin").write_bytes(b"mine")
+
+    cfg = PPOConfig(
+        batch_size=1, checkpoint_dir=str(tmp_path), checkpoint_every=2, max_staleness=100
+    )
+    trainer = PPOTrainer(tiny_qwen2(), cfg, on_checkpoint=hook)
+    await trainer.train(ListSource(GROUPS[:4]))
+    await trainer.save_checkpoint(tmp_path / "manual")
+    assert seen == [
+        ("step_000002", None),
+        ("step_000004", "step_000002"),
+        ("manual", "step_000004"),
+    ]
+    assert (tmp_path / "latest" / "extra.bin").read_bytes() == b"mine"
+
+
 async def test_gae_resume_restores_the_value_head(tmp_path: Path) -> None:
     cfg = dataclasses.replace(CONFIG, advantage="gae", value_lr=1e-2)
     straight = PPOTrainer(tiny_qwen2(seed=0), cfg)

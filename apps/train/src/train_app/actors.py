@@ -77,9 +77,12 @@ class RolloutActor:
         self._run_task: asyncio.Task[Any] | None = None
         self._stale_drops_seen = 0
 
-    async def start(self) -> float:
-        """Start the engine (tens of seconds on CPU) and the rollout loop; returns the
-        engine's start-up seconds."""
+    async def start(self, begin: bool = True) -> float:
+        """Start the engine (tens of seconds on CPU) and, with `begin`, the rollout loop;
+        returns the engine's start-up seconds. The driver starts every replica with
+        `begin=False`, then `begin()`s them together once every engine is up: a resumed run's
+        restored partials (oldest tokens first) then reach the queue ahead of any replica's
+        new groups, so they are trained on before their tokens grow too stale."""
         from mm_preprocess import EventLoopLagMonitor
         from rollout_engine import Rollouter
         from transformers import AutoTokenizer
@@ -122,9 +125,17 @@ class RolloutActor:
             environment=getattr(task, "environment", None),
             episode=getattr(task, "episode", None),
         )
-        self._lag.reset()  # report the steady state, not the engine start-up
-        self._run_task = asyncio.create_task(self._run())
+        if plan.restore is not None:  # a resumed run's in-flight groups (train_app.inflight)
+            self._rollouter.restore(plan.restore)
+        if begin:
+            await self.begin()
         return float(getattr(self._engine, "startup_s", 0.0))
+
+    async def begin(self) -> None:
+        """Start the rollout loop (once)."""
+        if self._run_task is None:
+            self._lag.reset()  # report the steady state, not the engine start-up
+            self._run_task = asyncio.create_task(self._run())
 
     async def _run(self) -> dict[str, Any]:
         try:
@@ -167,8 +178,21 @@ class RolloutActor:
     async def metrics(self) -> dict[str, Any]:
         metrics = dict(self._rollouter.metrics())
         metrics.update(self._lag.metrics(prefix="event_loop"))
-        metrics["rollout/failed"] = float(self._rollouter.stats().failed)
+        stats = self._rollouter.stats()
+        metrics["rollout/failed"] = float(stats.failed)
+        if self._plan.restore is not None:  # what this replica continued from the checkpoint
+            metrics["rollout/resume_restored"] = float(stats.restored)
+            metrics["rollout/resume_dropped_stale"] = float(stats.restore_dropped)
+            metrics["rollout/resume_dropped_tokens"] = float(stats.restore_dropped_tokens)
         return metrics
+
+    async def snapshot_in_flight(self) -> Any:
+        """The rollouter's in-flight groups now (`Rollouter.snapshot_in_flight`; the run goes
+        on), for the trainer to write into its checkpoint (`train_app.inflight`); None when
+        the rollout loop is not running (not started yet, or ended)."""
+        if self._run_task is None or self._run_task.done():
+            return None
+        return await self._rollouter.snapshot_in_flight()
 
     async def pids(self) -> list[int]:
         """This actor's process and its children (vLLM's engine core), for tests and ops."""
@@ -312,6 +336,7 @@ class TrainerActor:
             mm_inputs_fn=mm_inputs_fn,
             pad_token_id=tokenizer.pad_token_id or 0,
             data_parallel=self._dp,
+            on_checkpoint=self._save_inflight,
         )
         if self._stop_requested:  # stop() came while the model was loading
             self._trainer.stop()
@@ -360,6 +385,13 @@ class TrainerActor:
             weights = await asyncio.to_thread(export_weights, model)
         if self._sink is not None:
             await self._sink.push_weights(weights, self._trainer.version)
+
+    async def _save_inflight(self, checkpoint: Path) -> None:
+        """`PPOTrainer`'s checkpoint hook: every replica's in-flight groups go into the
+        checkpoint directory, so `--resume` continues them (`train_app.inflight`)."""
+        from train_app.inflight import snapshot_replicas
+
+        await snapshot_replicas(self._rollout_actors, checkpoint)
 
     async def _save_final(self, checkpoints: Path) -> None:
         from ppo_trainer.checkpoint import update_latest

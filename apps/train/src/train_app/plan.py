@@ -28,11 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from ppo_trainer import PPOConfig
-from rollout_engine import SamplingConfig
+from rollout_engine import RolloutSnapshot, SamplingConfig
 from rollout_engine.rollouter import RolloutConfig
 from rollout_engine.vllm_engine import VLLMEngineConfig
 
 from train_app.config import TrainConfig
+from train_app.inflight import redistribute, restored_prompt_ids
 
 __all__ = [
     "DP_STRATEGY",
@@ -69,12 +70,15 @@ DP_TIMEOUT_S = 600.0
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a resumed run continues (defaults: a new run): its checkpoint directory, step,
-    policy version and the prompt ids it already trained on."""
+    policy version, the prompt ids it already trained on and the rollouters' in-flight
+    groups saved with it (`train_app.inflight.load_inflight`; one snapshot per saved
+    replica, dealt to the resumed run's replicas by `plan`)."""
 
     checkpoint: str | None = None
     step: int | None = None
     version: int = 0
     consumed_prompt_ids: frozenset[str] = frozenset()
+    inflight: tuple[RolloutSnapshot, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,8 +96,9 @@ class ReplicaPlan:
     prompt_seed: int
     """Seed of this replica's prompt stream (distinct per replica: no prompt twice)."""
     consumed_prompt_ids: frozenset[str]
-    """Prompts trained on before a resume (every replica's: ids never repeat across
-    seeds); this replica's `PromptSource` skips them."""
+    """Prompts this replica's `PromptSource` skips at a resume: those trained on before it
+    and those continued from the checkpoint's in-flight groups (every replica's: ids never
+    repeat across seeds)."""
     rollout: RolloutConfig
     engine: Any
     """The engine's configuration: a `VLLMEngineConfig` (tests may put a
@@ -104,6 +109,9 @@ class ReplicaPlan:
     """Write this actor's stdout and stderr (vLLM's logs) here; None: leave them to Ray."""
     failures_path: str | None = None
     """Append every failed group here (JSONL, see `train_app.failure_log`); None: not kept."""
+    restore: RolloutSnapshot | None = None
+    """In-flight groups of the resumed checkpoint this replica continues before any new
+    prompt (`train_app.inflight`); None: nothing to continue."""
 
 
 @dataclass(frozen=True)
@@ -206,6 +214,8 @@ def plan(
     resume = resume or ResumePoint()
     k = config.effective_staleness
     shares = split_batch(config.batch_size, config.rollout_replicas)
+    restores = redistribute(resume.inflight, shares)
+    skip = resume.consumed_prompt_ids | restored_prompt_ids(restores)
     pin = (
         config.rollout_replicas == 1
         and cpu_count >= 1 + config.trainer_workers
@@ -226,7 +236,7 @@ def plan(
             task=config.task,
             task_options=_task_options(config, run_dir),
             prompt_seed=config.seed * 1000 + i,
-            consumed_prompt_ids=resume.consumed_prompt_ids,
+            consumed_prompt_ids=skip,
             rollout=RolloutConfig(
                 group_size=config.group_size,
                 max_concurrency=config.max_concurrency,
@@ -248,6 +258,7 @@ def plan(
             cpu=0 if pin else None,
             log_dir=log_dir,
             failures_path=str((run_dir / "failures.jsonl").resolve()),
+            restore=restores[i],
         )
         for i, share in enumerate(shares)
     )

@@ -3,7 +3,8 @@
 Each rollout actor reports `Rollouter.metrics()` (design.md's names), its event loop's lag and
 `rollout/failed`. The run's figure for a name is:
 
-- a sum for amounts of the whole run (`rollout/active_tasks`, `rollout/failed`, `tokens/s`);
+- a sum for amounts of the whole run (`rollout/active_tasks`, `rollout/failed`, `tokens/s`,
+  `rollout/resume_*`);
 - a max for worst cases (`staleness/max`, `rollout/drain_interrupt_ms`, `event_loop/*`);
 - the mean over replicas for ratios and per-replica levels (everything else:
   `rollout/idle_ratio`, `rollout/partial_ratio`, `rollout/pacing_lookahead`,
@@ -22,7 +23,18 @@ from collections.abc import Mapping, Sequence
 
 __all__ = ["SUMMED", "aggregate_replica_metrics"]
 
-SUMMED = frozenset({"rollout/active_tasks", "rollout/failed", "tokens/s"})
+SUMMED = frozenset(
+    {
+        "rollout/active_tasks",
+        "rollout/failed",
+        "tokens/s",
+        # What a resumed run continued from its checkpoint's in-flight groups
+        # (`train_app.inflight`): counts of the whole run.
+        "rollout/resume_restored",
+        "rollout/resume_dropped_stale",
+        "rollout/resume_dropped_tokens",
+    }
+)
 _MAXED = frozenset({"staleness/max", "rollout/drain_interrupt_ms"})
 
 

@@ -41,6 +41,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from train_app.config import TrainConfig, to_toml
+from train_app.inflight import load_inflight
 from train_app.outputs import MetricsWriter, plot_run, print_summary
 from train_app.plan import MAX_MODEL_LEN_CAP, ResumePoint, RunPlan, plan, ray_num_cpus
 from train_app.replica_metrics import aggregate_replica_metrics
@@ -502,7 +503,7 @@ class _Session:
         t0 = time.monotonic()
         with self.console.status("starting vLLM (tens of seconds on CPU)..."):
             engines, trainer_load_s = await asyncio.gather(
-                asyncio.gather(*(_await(r.start.remote()) for r in self.rollouts)),
+                _start_together(self.rollouts),
                 self._setup_trainers(),
             )
         self.timings.update(
@@ -698,6 +699,15 @@ class _Session:
             self.writer.close()
 
 
+async def _start_together(rollouts: list[Any]) -> list[float]:
+    """Start every replica's engine, then every rollout loop at once (`RolloutActor.start`):
+    engines come up seconds apart, and a replica that began early would fill the first
+    batches with new groups while another's restored partials wait."""
+    engines = await asyncio.gather(*(_await(r.start.remote(begin=False)) for r in rollouts))
+    await asyncio.gather(*(_await(r.begin.remote()) for r in rollouts))
+    return list(engines)
+
+
 def _create_queue(run_plan: RunPlan) -> Any:
     """The queue actor between the rollouters and the trainer (no CPU of its own)."""
     from async_queue import MessageQueueClient
@@ -726,7 +736,8 @@ def _create_trainers(run_plan: RunPlan, queue: Any, rollouts: list[Any]) -> list
 
 
 def _resume_point(config: TrainConfig, run_dir: Path) -> ResumePoint:
-    """The checkpoint of a run to resume (its `latest`), read without torch."""
+    """The checkpoint of a run to resume (its `latest`) and the in-flight groups saved with
+    it (`train_app.inflight`), read without torch."""
     if config.resume is None:
         return ResumePoint()
     from ppo_trainer import read_checkpoint_meta
@@ -741,7 +752,8 @@ def _resume_point(config: TrainConfig, run_dir: Path) -> ResumePoint:
             "(schema 3), so the prompts it trained on are unknown; start a new run"
         )
     prompts = frozenset(meta.consumed_prompt_ids)
-    return ResumePoint(str(checkpoint.resolve()), meta.step, meta.version, prompts)
+    inflight = load_inflight(checkpoint, consumed_prompt_ids=prompts, group_size=config.group_size)
+    return ResumePoint(str(checkpoint.resolve()), meta.step, meta.version, prompts, inflight)
 
 
 def _actor_died(exc: BaseException | None) -> bool:

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +101,7 @@ class PPOTrainer:
         mm_inputs_fn: MultiModalInputsFn | None = None,
         pad_token_id: int = 0,
         data_parallel: DataParallel | None = None,
+        on_checkpoint: Callable[[Path], Awaitable[None]] | None = None,
     ) -> None:
         self.config = config or PPOConfig()
         if data_parallel is not None and data_parallel.strategy == "fsdp2" and optimizer:
@@ -116,6 +117,8 @@ class PPOTrainer:
         )
         self._weight_sink = weight_sink
         self._metrics_sink = metrics_sink
+        # Adds the caller's own files to each checkpoint directory (see `save_checkpoint`).
+        self._on_checkpoint = on_checkpoint
         self._mm_inputs_fn = mm_inputs_fn
         self._pad_token_id = pad_token_id
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppo-trainer")
@@ -583,7 +586,10 @@ class PPOTrainer:
     async def save_checkpoint(self, path: str | Path) -> Path:
         """Save model, optimizer, scheduler, RNGs, step, version and consumed ids to `path`.
 
-        Runs in the worker thread, so it never overlaps a step."""
+        Runs in the worker thread, so it never overlaps a step. Then `on_checkpoint(path)`
+        (rank 0 only, on the event loop) adds the caller's files (the app: the rollouters'
+        in-flight partials); periodic checkpoints point `latest` at `path` only after it
+        returns, so `latest` never names a checkpoint without them."""
         state = TrainerState(
             step=self._step,
             version=self._version,
@@ -593,6 +599,8 @@ class PPOTrainer:
         )
         saved = await self._in_worker(save_checkpoint, path, self._updater, state)
         logger.info("saved checkpoint %s (step %d)", saved, self._step)
+        if self._on_checkpoint is not None and (self._dp is None or self._dp.is_leader):
+            await self._on_checkpoint(saved)
         return saved
 
     async def load_checkpoint(self, path: str | Path) -> None:

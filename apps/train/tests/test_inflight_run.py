@@ -1,0 +1,131 @@
+"""A real `run()` checkpoints its in-flight partials and `--resume` continues them, into a
+different replica count (issue 14, item 2).
+
+Real: local Ray, every actor (rollout replicas, queue, trainer with `PPOTrainer` on the tiny
+Qwen2), the trainer's checkpoint hook, the driver's resume path. Fake, and why: the engines are
+`rollout_engine.testing.FakeEngine` (random tokens, 20 ms each; a vLLM engine per replica
+would cost a minute each here, and the bookkeeping does not depend on the tokens). The
+per-token check (saved tokens reach training with their versions and log-probs) is in
+`test_inflight_actors.py`, where the trainer's read side is visible; here the trainer only
+reports what it trained on through its checkpoint (prompt ids) and metrics.
+
+Cost: one local Ray cluster, then two runs (2 replicas, 4 steps; resumed with 3 replicas to
+step 8), each starting its actors (torch, transformers; no vLLM): 243-373 s measured with
+the 2 cores shared by a load of 12-18. Slow. In the passing run 5 groups were continued
+and 2 of them (saved with tokens exactly k versions old) were overtaken by new groups and
+dropped at delivery, counted in `queue/dropped` (see `train_app.inflight`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from ppo_trainer import read_checkpoint_meta
+from rich.console import Console
+from rollout_engine.testing import FakeEngineConfig
+from train_app.config import TrainConfig
+from train_app.inflight import load_inflight
+from train_app.plan import RunPlan
+from train_app.run import WORKER_ENV, _start_local_ray, run
+
+pytestmark = pytest.mark.slow
+
+K = 1
+BATCH = 6
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One local Ray cluster for both runs (`run` joins a running cluster)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    runs = tmp_path_factory.mktemp("inflight-run")
+    env = {**WORKER_ENV, "TORCHINDUCTOR_CACHE_DIR": str(runs / ".inductor")}
+    # Ray's start is retried as the app does (`run._start_local_ray`): its raylet gives its
+    # agents a fixed time to start, which a heavily loaded 2-core machine can miss.
+    _start_local_ray(
+        num_cpus=4,
+        options={
+            "log_to_driver": False,
+            "runtime_env": {"env_vars": env},
+            "_temp_dir": os.environ.get("RAY_TMPDIR", "/tmp/ray"),
+        },
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _fake_engines(run_plan: RunPlan) -> RunPlan:
+    """Every replica on a FakeEngine: 30-token responses at 20 ms a token, so a checkpoint
+    (after a trainer step) finds responses half done."""
+    eos = run_plan.replicas[0].rollout.sampling.stop_token_ids[0]
+    replicas = tuple(
+        dataclasses.replace(
+            r,
+            engine=FakeEngineConfig(
+                seed=r.replica + 10 * r.replicas,
+                vocab_size=20,
+                eos_token_id=eos,
+                fixed_length=30,
+                time_per_token_s=0.02,
+                initial_version=r.engine.initial_version,
+            ),
+        )
+        for r in run_plan.replicas
+    )
+    return dataclasses.replace(run_plan, replicas=replicas)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def test_resume_continues_the_checkpoints_partials_in_another_replica_count(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    config = TrainConfig(
+        runs_dir=tmp_path, name="partials", steps=4, batch_size=BATCH, group_size=2,
+        max_staleness=K, rollout_replicas=2, max_tokens=40, checkpoint_every=2,
+        progress=False, lr_schedule="constant",
+    )  # fmt: skip
+    first = run(config, Console(file=io.StringIO()), adjust_plan=_fake_engines)
+    run_dir = first.run_dir
+    latest = run_dir / "checkpoints" / "latest"
+    for step in (2, 4):  # every checkpoint holds every replica's partials
+        names = {p.name for p in (run_dir / "checkpoints" / f"step_{step:06d}").iterdir()}
+        assert {"inflight-replica0.msgpack", "inflight-replica1.msgpack"} <= names
+    meta = read_checkpoint_meta(latest)
+    saved = load_inflight(latest, consumed_prompt_ids=meta.consumed_prompt_ids, group_size=2)
+    groups = [g for s in saved for g in s.groups]
+    assert groups and sum(g.generated_tokens for g in groups) > 0, saved
+    partial_ids = {g.sample.prompt_id for g in groups}
+
+    resumed = dataclasses.replace(config, resume=run_dir, steps=8, rollout_replicas=3)
+    run(resumed, Console(file=io.StringIO()), adjust_plan=_fake_engines)
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert all(r["staleness/max"] <= K for r in records)
+    after = records[4:]
+    assert after[-1]["rollout/resume_restored"] == len(groups)
+    assert after[-1]["rollout/resume_dropped_stale"] == 0  # saved at the resumed version
+    final = read_checkpoint_meta(latest)
+    # No prompt trained twice across the resume, and the continued prompts were trained on.
+    assert len(final.consumed_group_ids) == len(set(final.consumed_prompt_ids)) == 8 * BATCH
+    # Every continued prompt was trained on, or dropped at delivery as too stale and counted
+    # there (a group saved with tokens exactly k versions old must be in the resumed run's
+    # first batch; a new group that finishes first can take its place, as for any straggler).
+    missing = partial_ids - set(final.consumed_prompt_ids)
+    assert len(missing) <= after[-1]["queue/dropped"], (missing, after[-1]["queue/dropped"])
+    assert len(missing) < len(partial_ids)
+    assert len(list(latest.glob("inflight-replica*.msgpack"))) == 3  # the resumed run's
