@@ -13,10 +13,16 @@ to `batch_size` (the remainder goes to the first replicas). Each replica's admis
 is `(k + 1 + v) * shares[i] - ...`, so the replicas together admit exactly
 `(k + 1 + v) * batch_size`: the trainer is never short of a batch (a lost remainder made
 `--rollout-replicas 3 --batch-size 16` stall) and never runs more than k versions ahead.
+
+Where the actors run. `--rollout-resources` / `--trainer-resources` (`NAME=AMOUNT,...`) become
+each actor's Ray resource request (`actor_options`): `CPU` and `GPU` are its `num_cpus` /
+`num_gpus` (default: one CPU, no GPU), any other name a custom resource that only the nodes
+started with it have (`ray start --resources '{"node2": 1}'`), so Ray places the actor there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +32,7 @@ from rollout_engine import SamplingConfig
 from rollout_engine.rollouter import RolloutConfig
 from rollout_engine.vllm_engine import VLLMEngineConfig
 
-from train_app.config import TrainConfig
+from train_app.config import TrainConfig, parse_resources
 
 __all__ = [
     "MAX_MODEL_LEN_CAP",
@@ -34,6 +40,7 @@ __all__ = [
     "ResumePoint",
     "RunPlan",
     "TrainerPlan",
+    "actor_options",
     "plan",
     "queue_maxsize",
     "ray_num_cpus",
@@ -89,6 +96,9 @@ class ReplicaPlan:
     """Write this actor's stdout and stderr (vLLM's logs) here; None: leave them to Ray."""
     failures_path: str | None = None
     """Append every failed group here (JSONL, see `train_app.failure_log`); None: not kept."""
+    resources: Mapping[str, float] = field(default_factory=dict)
+    """Ray resources of this actor beyond the default one CPU (`--rollout-resources`; see
+    `actor_options`)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,8 @@ class TrainerPlan:
     resume_from: str | None
     cpu: int | None
     log_dir: str | None
+    resources: Mapping[str, float] = field(default_factory=dict)
+    """Ray resources of the trainer actor (`--trainer-resources`; see `actor_options`)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +142,19 @@ def split_batch(batch_size: int, replicas: int) -> list[int]:
         )
     base, extra = divmod(batch_size, replicas)
     return [base + (1 if i < extra else 0) for i in range(replicas)]
+
+
+def actor_options(resources: Mapping[str, float]) -> dict[str, Any]:
+    """Ray actor options of a resource request: `CPU` / `GPU` are `num_cpus` / `num_gpus`
+    (default one CPU: each actor's event loop and its engine or torch step need a core), the
+    rest go to `resources` (custom resources pin the actor to the nodes that have them)."""
+    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
+    options: dict[str, Any] = {"num_cpus": resources.get("CPU", 1)}
+    if "GPU" in resources:
+        options["num_gpus"] = resources["GPU"]
+    if custom:
+        options["resources"] = custom
+    return options
 
 
 def ray_num_cpus(config: TrainConfig) -> int:
@@ -202,6 +227,7 @@ def plan(
             cpu=0 if pin else None,
             log_dir=log_dir,
             failures_path=str((run_dir / "failures.jsonl").resolve()),
+            resources=parse_resources(config.rollout_resources),
         )
         for i, share in enumerate(shares)
     )
@@ -233,6 +259,7 @@ def plan(
         resume_from=resume.checkpoint,
         cpu=1 if pin else None,
         log_dir=log_dir,
+        resources=parse_resources(config.trainer_resources),
     )
     return RunPlan(
         queue_maxsize=queue_maxsize(config),

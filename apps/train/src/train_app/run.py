@@ -41,7 +41,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from train_app.config import TrainConfig, to_toml
 from train_app.outputs import MetricsWriter, plot_run, print_summary
-from train_app.plan import MAX_MODEL_LEN_CAP, ResumePoint, RunPlan, plan, ray_num_cpus
+from train_app.plan import (
+    MAX_MODEL_LEN_CAP,
+    ResumePoint,
+    RunPlan,
+    actor_options,
+    plan,
+    ray_num_cpus,
+)
 from train_app.replica_metrics import aggregate_replica_metrics
 
 logger = logging.getLogger(__name__)
@@ -50,6 +57,9 @@ __all__ = ["RunFailed", "RunInterrupted", "RunResult", "run"]
 
 # How often the driver polls metrics and actor health.
 POLL_S = 0.5
+# After training, how long the group accounting waits for the rollouters' in-flight groups
+# to land (admission stops them soon after the trainer stops consuming).
+SETTLE_S = 15.0
 # Environment of every actor process: in-process vLLM engine core, no hub access.
 WORKER_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -349,6 +359,7 @@ async def _drive(
         ray_s = time.monotonic() - t0
         stopper.install()  # ray.init replaced SIGTERM's handler with one that aborts
         run_plan, prepare_s = await planned
+        await asyncio.to_thread(_warn_unplaceable, run_plan)
         session = _Session(config, run_plan, console, stopper)
         session.timings.update(
             prepare_s=prepare_s, ray_s=ray_s, prepare_and_ray_s=time.monotonic() - t0
@@ -429,6 +440,28 @@ def _start_local_ray(num_cpus: int, options: dict[str, Any], attempts: int = 3) 
             ray.shutdown()
 
 
+def _warn_unplaceable(run_plan: RunPlan) -> None:
+    """A resource no node of the cluster has (`--rollout-resources node2=1` on a cluster
+    without such a node) would leave the actor pending with no message: say so. A warning,
+    not an error: an autoscaling cluster may add the node later."""
+    import ray
+
+    have = ray.cluster_resources()
+    wanted = [("rollout", r.resources) for r in run_plan.replicas[:1]]
+    wanted.append(("trainer", run_plan.trainer.resources))
+    for role, resources in wanted:
+        for name, amount in resources.items():
+            if have.get(name, 0.0) < amount:
+                logger.warning(
+                    "the %s actor asks for %s=%g but the cluster has %g: it waits until a "
+                    "node with it joins",
+                    role,
+                    name,
+                    amount,
+                    have.get(name, 0.0),
+                )
+
+
 def _link_ray_logs(logs: Path) -> None:
     """`logs/ray` -> this Ray session's log directory (raylet, GCS, workers' own files)."""
     try:
@@ -457,6 +490,7 @@ class _Session:
         self.writer: MetricsWriter | None = None
         self.records: list[dict[str, Any]] = []
         self.rollout_metrics: dict[str, Any] = {}
+        self.groups: dict[str, Any] = {}  # summary.json's `groups` (see _account_groups)
         # Seconds of each start-up phase (summary.json's `startup`): prepare (model, plan)
         # and ray (start or join) side by side, prepare_and_ray (both); actors (engines and
         # the trainer's model load side by side; engine and trainer_load are each one's
@@ -478,6 +512,7 @@ class _Session:
         train_s = time.monotonic() - train_started
         await self._collect_metrics()
         await self._write_failures()
+        self.groups = await self._account_groups(trainer_summary)
         before = self.timings.get("prepare_and_ray_s", 0.0)
         self.timings["to_training_s"] = before + train_started - t0
         return self._finish(trainer_summary, train_s)
@@ -505,8 +540,66 @@ class _Session:
             "rollout": [p[0] for p in rollout_pids],
             "engine": [pid for p in rollout_pids for pid in p[1:]],
             "trainer": trainer_pids[0],
+            "nodes": await self._node_ids(),
         }
         (self.run_dir / "actors.json").write_text(json.dumps(pids))
+
+    async def _node_ids(self) -> dict[str, Any]:
+        """The Ray node of each actor (hex ids): where `--rollout-resources` and
+        `--trainer-resources` placed them."""
+        rollout = await asyncio.gather(*(_await(r.node_id.remote()) for r in self.rollouts))
+        trainer = await _await(self.trainer.node_id.remote())
+        logger.info("rollouters on nodes %s, trainer on %s", rollout, trainer)
+        return {"rollout": list(rollout), "trainer": trainer}
+
+    async def _account_groups(self, trainer_summary: dict[str, Any]) -> dict[str, Any]:
+        """Where every group of the run went (summary.json's `groups`), once the rollouters
+        are quiet: none in flight and nothing admitted for a poll (admission stops them when
+        the trainer stops consuming; `settled` is False if that took over SETTLE_S). Balanced:
+        rollouters delivered what the queue received; the queue's items were consumed,
+        dropped or are still queued; the trainer trained on or dropped what it consumed."""
+        # A stopped run takes one snapshot: the user asked to stop, not to wait.
+        deadline = time.monotonic() + (SETTLE_S if self.stopper.signum is None else 0.0)
+        previous: dict[str, int] | None = None
+        while True:
+            replies = await asyncio.gather(
+                *(asyncio.wait_for(_await(r.stats.remote()), 5) for r in self.rollouts),
+                return_exceptions=True,
+            )
+            if any(isinstance(r, BaseException) for r in replies):
+                return {"settled": False, "error": "a rollouter did not report its counts"}
+            keys = ("admitted", "delivered", "failed", "dropped", "in_flight")
+            rollout = {k: sum(int(r[k]) for r in replies) for k in keys}
+            settled = rollout["in_flight"] == 0 and rollout == previous
+            if settled or time.monotonic() > deadline:
+                break
+            previous = rollout
+            await asyncio.sleep(POLL_S)
+        stats = await asyncio.wait_for(self.queue.stats(), 5)
+        queue = {
+            "produced": stats.produced,
+            "consumed": stats.consumed,
+            "dropped": stats.dropped_total,
+            "size": stats.size,
+        }
+        trainer = {
+            "trained": int(trainer_summary.get("groups", 0)),
+            "dropped": int(trainer_summary.get("dropped_groups", 0)),
+        }
+        balanced = (
+            rollout["delivered"] == queue["produced"]
+            and queue["produced"] == queue["consumed"] + queue["dropped"] + queue["size"]
+            and queue["consumed"] == trainer["trained"] + trainer["dropped"]
+        )
+        if settled and not balanced:
+            logger.warning("groups do not balance: %s %s %s", rollout, queue, trainer)
+        return {
+            "settled": settled,
+            "balanced": balanced,
+            "rollout": rollout,
+            "queue": queue,
+            "trainer": trainer,
+        }
 
     async def _train(self) -> dict[str, Any]:
         """Train while watching every actor; returns the trainer's summary."""
@@ -624,7 +717,11 @@ class _Session:
         if self.stopper.signum is not None:
             summary["interrupted_by"] = signal.Signals(self.stopper.signum).name
             summary["checkpoint_step"] = trainer_summary.get("checkpoint_step")
-        full = {**summary, "startup": {k: round(v, 2) for k, v in self.timings.items()}}
+        full = {
+            **summary,
+            "groups": self.groups,
+            "startup": {k: round(v, 2) for k, v in self.timings.items()},
+        }
         (self.run_dir / "summary.json").write_text(json.dumps(full, indent=2))
         print_summary(summary, self.console)
         return RunResult(self.run_dir, full)
@@ -658,17 +755,23 @@ def _create_queue(run_plan: RunPlan) -> Any:
 
 
 def _create_rollouters(run_plan: RunPlan, queue: Any) -> list[Any]:
-    """One rollout actor per replica plan (one CPU each); nothing starts until `start()`."""
+    """One rollout actor per replica plan (one CPU each, or its `--rollout-resources`);
+    nothing starts until `start()`."""
     from train_app.actors import RolloutActor
 
-    return [RolloutActor.options(num_cpus=1).remote(r, queue) for r in run_plan.replicas]
+    return [
+        RolloutActor.options(**actor_options(r.resources)).remote(r, queue)
+        for r in run_plan.replicas
+    ]
 
 
 def _create_trainer(run_plan: RunPlan, queue: Any, rollouts: list[Any]) -> Any:
-    """The trainer actor (one CPU); it pushes weights to every rollouter."""
+    """The trainer actor (one CPU, or its `--trainer-resources`); it pushes weights to every
+    rollouter."""
     from train_app.actors import TrainerActor
 
-    return TrainerActor.options(num_cpus=1).remote(run_plan.trainer, queue, rollouts)
+    options = actor_options(run_plan.trainer.resources)
+    return TrainerActor.options(**options).remote(run_plan.trainer, queue, rollouts)
 
 
 def _resume_point(config: TrainConfig, run_dir: Path) -> ResumePoint:
