@@ -575,7 +575,10 @@ class _Session:
                 break
             previous = rollout
             await asyncio.sleep(POLL_S)
-        stats = await asyncio.wait_for(self.queue.stats(), 5)
+        try:
+            stats = await asyncio.wait_for(self.queue.stats(), 5)
+        except Exception as exc:  # bookkeeping only: never fails a finished run
+            return {"settled": False, "error": f"the queue did not report its counts: {exc!r}"}
         queue = {
             "produced": stats.produced,
             "consumed": stats.consumed,
