@@ -14,8 +14,11 @@ stops every Ray process of the machine, other people's clusters included. This t
 never joins the cluster (a helper subprocess reads the node ids), so its own Ray state is left
 alone, apart from shutting down a session cluster first (2 cores).
 
-Cost: ~10-20 s for the two nodes, then one run of 4 steps whose vLLM start dominates
-(~45 s idle, 2-3 minutes on a loaded 2-core machine); 125 s measured at a load of ~19.
+Cost: two node starts (~15 s each idle) and one run of 4 steps whose vLLM start dominates
+(~45 s idle). Measured 2026-12-04 on 2 cores shared with other jobs (load 13-22): 403 s
+(set-up 151 s, of which one node start that failed and was retried; the run 241 s; stopping
+11 s). At that load node starts failed often (a raylet's agent misses its start-up
+deadline); each attempt that fails costs ~80 s.
 """
 
 from __future__ import annotations
@@ -241,6 +244,8 @@ def _start(cluster: TwoNodes) -> None:
             [
                 "--head", f"--port={port}", "--include-dashboard=false",
                 f"--ray-client-server-port={_free_port()}", "--num-cpus=1",
+                # Its dashboard process runs even with the dashboard off, on 8265 by default.
+                f"--dashboard-port={_free_port()}",
                 '--resources={"head": 1}', *_node_ports(0),
             ],
             cluster.temp_dirs[0],
