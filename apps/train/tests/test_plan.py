@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from train_app.config import TrainConfig
+from train_app.config import TrainConfig, parse_resources
 from train_app.plan import (
     MAX_MODEL_LEN_CAP,
     ResumePoint,
+    actor_options,
     plan,
     queue_maxsize,
     split_batch,
@@ -134,3 +135,43 @@ def test_vision_task_options_and_trainer_mode(tmp_path: Path) -> None:
         "corrupt_fraction": 0.1,
     }
     assert plan(TrainConfig()).replicas[0].task_options == {}
+
+
+def test_resources_parse_into_ray_actor_options() -> None:
+    """`--rollout-resources` / `--trainer-resources`: CPU and GPU are num_cpus / num_gpus, any
+    other name a custom resource; the default is one CPU and no GPU."""
+    assert parse_resources(None) == parse_resources("") == {}
+    assert parse_resources(" node2=1, GPU=0.5 ") == {"node2": 1.0, "GPU": 0.5}
+    assert actor_options({}) == {"num_cpus": 1}
+    assert actor_options({"node2": 1.0}) == {"num_cpus": 1, "resources": {"node2": 1.0}}
+    assert actor_options({"GPU": 1.0, "CPU": 2.0, "gen": 1.0}) == {
+        "num_cpus": 2.0,
+        "num_gpus": 1.0,
+        "resources": {"gen": 1.0},
+    }
+    for bad in ("node2", "node2=", "node2=0", "=1", "node2=x", "a=1,a=2"):
+        with pytest.raises(ValueError):
+            parse_resources(bad)
+
+
+def test_plan_carries_each_actors_resources() -> None:
+    run = plan(
+        TrainConfig(
+            ray_address="auto",
+            rollout_replicas=2,
+            rollout_resources="node2=1",
+            trainer_resources="GPU=1",
+        )
+    )
+    assert [r.resources for r in run.replicas] == [{"node2": 1.0}, {"node2": 1.0}]
+    assert run.trainer.resources == {"GPU": 1.0}
+    assert plan(TrainConfig()).trainer.resources == {}
+
+
+def test_custom_resources_need_a_cluster_and_a_valid_spec() -> None:
+    with pytest.raises(ValueError, match="--rollout-resources: custom resource"):
+        TrainConfig(rollout_resources="node2=1").validate()
+    with pytest.raises(ValueError, match="--trainer-resources: 'GPU=-1'"):
+        TrainConfig(trainer_resources="GPU=-1").validate()
+    TrainConfig(rollout_resources="GPU=1,CPU=2").validate()  # local: no custom resource
+    TrainConfig(ray_address="auto", rollout_resources="node2=1").validate()

@@ -198,6 +198,17 @@ class RolloutActor:
         """This actor's process and its children (vLLM's engine core), for tests and ops."""
         return _process_tree()
 
+    async def node_id(self) -> str:
+        """The Ray node this actor runs on (hex id), for placement checks and ops."""
+        return ray.get_runtime_context().get_node_id()
+
+    async def stats(self) -> dict[str, Any]:
+        """The rollouter's `RolloutStats` (group counts: admitted, delivered, failed, dropped,
+        in flight) as plain data; the driver's end-of-run group accounting reads it."""
+        import msgspec
+
+        return msgspec.to_builtins(self._rollouter.stats())
+
     async def failures(self) -> list[dict[str, Any]]:
         """The most recent failed samples (id, error type and message; the last
         `RolloutConfig.recent_failures`), as plain data."""
@@ -415,6 +426,10 @@ class TrainerActor:
 
     async def pids(self) -> list[int]:
         return _process_tree()
+
+    async def node_id(self) -> str:
+        """The Ray node this actor runs on (hex id)."""
+        return ray.get_runtime_context().get_node_id()
 
     async def stop(self) -> None:
         """Graceful stop: the step in progress finishes, then `train()` checkpoints and

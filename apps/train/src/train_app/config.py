@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["TrainConfig", "load_toml", "to_toml"]
+__all__ = ["TrainConfig", "load_toml", "parse_resources", "to_toml"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +137,15 @@ class TrainConfig:
     ray_address: str | None = None
     """Join this Ray cluster (e.g. `auto`) instead of starting a local one."""
 
+    rollout_resources: str | None = None
+    """Ray resources of each rollout actor, `NAME=AMOUNT,...`: `CPU`, `GPU` (default: one
+    CPU) or a custom resource of some nodes (e.g. `node2=1`, or `gen=1` with `ray start
+    --resources '{"gen": 1}'`) to place the rollouters on them. Custom resources need
+    `--ray-address` (a local cluster has none)."""
+
+    trainer_resources: str | None = None
+    """Ray resources of the trainer actor, as `--rollout-resources` (e.g. `GPU=1,train=1`)."""
+
     progress: bool = True
     """Show the live progress bar."""
 
@@ -183,8 +192,41 @@ class TrainConfig:
                 f"--group-size must be at least 2 for {self.advantage} advantages "
                 "(a group baseline); --advantage gae works with 1"
             )
+        for field in ("rollout_resources", "trainer_resources"):
+            flag = f"--{field.replace('_', '-')}"
+            try:
+                resources = parse_resources(getattr(self, field))
+            except ValueError as exc:
+                raise ValueError(f"{flag}: {exc}") from None
+            custom = sorted(set(resources) - {"CPU", "GPU"})
+            if custom and not self.ray_address:
+                raise ValueError(
+                    f"{flag}: custom resource(s) {custom} need --ray-address (a cluster whose "
+                    "nodes were started with them); a local cluster has none"
+                )
         if self.model is not None and not (Path(self.model) / "config.json").exists():
             raise ValueError(f"--model {self.model}: no config.json there (a local HF checkpoint)")
+
+
+def parse_resources(text: str | None) -> dict[str, float]:
+    """`"node2=1,GPU=1"` -> `{"node2": 1.0, "GPU": 1.0}` (None or "" -> {}). Names are Ray
+    resource names; amounts are positive numbers; a name given twice is an error."""
+    resources: dict[str, float] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, amount = part.partition("=")
+        name = name.strip()
+        try:
+            value = float(amount) if sep else float("nan")
+        except ValueError:
+            value = float("nan")
+        if not name or not value > 0:
+            raise ValueError(f"{part.strip()!r}: expected NAME=AMOUNT with AMOUNT > 0")
+        if name in resources:
+            raise ValueError(f"{name!r} given twice")
+        resources[name] = value
+    return resources
 
 
 def to_toml(config: TrainConfig) -> str:

@@ -19,10 +19,16 @@ equal but for `rank` and `cpu`; rank 0 reads the queue, pushes weights and write
 checkpoints, and with N > 1 every rank joins one torch.distributed group whose address rank 0
 chooses at run time (its node's IP and a free port: only the running cluster knows where
 rank 0 landed). N = 1 is the one-process trainer, without torch.distributed.
+
+Where the actors run. `--rollout-resources` / `--trainer-resources` (`NAME=AMOUNT,...`) become
+each actor's Ray resource request (`actor_options`): `CPU` and `GPU` are its `num_cpus` /
+`num_gpus` (default: one CPU, no GPU), any other name a custom resource that only the nodes
+started with it have (`ray start --resources '{"node2": 1}'`), so Ray places the actor there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -32,7 +38,7 @@ from rollout_engine import RolloutSnapshot, SamplingConfig
 from rollout_engine.rollouter import RolloutConfig
 from rollout_engine.vllm_engine import VLLMEngineConfig
 
-from train_app.config import TrainConfig
+from train_app.config import TrainConfig, parse_resources
 from train_app.inflight import redistribute, restored_prompt_ids
 
 __all__ = [
@@ -43,6 +49,7 @@ __all__ = [
     "ResumePoint",
     "RunPlan",
     "TrainerPlan",
+    "actor_options",
     "plan",
     "queue_maxsize",
     "ray_num_cpus",
@@ -112,6 +119,9 @@ class ReplicaPlan:
     restore: RolloutSnapshot | None = None
     """In-flight groups of the resumed checkpoint this replica continues before any new
     prompt (`train_app.inflight`); None: nothing to continue."""
+    resources: Mapping[str, float] = field(default_factory=dict)
+    """Ray resources of this actor beyond the default one CPU (`--rollout-resources`; see
+    `actor_options`)."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +149,9 @@ class TrainerPlan:
     def log_name(self) -> str:
         """Name of this rank's log file in `log_dir`: trainer.log, trainer1.log, ..."""
         return "trainer" if self.rank == 0 else f"trainer{self.rank}"
+
+    resources: Mapping[str, float] = field(default_factory=dict)
+    """Ray resources of the trainer actor (`--trainer-resources`; see `actor_options`)."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +192,19 @@ def split_batch(batch_size: int, replicas: int) -> list[int]:
         )
     base, extra = divmod(batch_size, replicas)
     return [base + (1 if i < extra else 0) for i in range(replicas)]
+
+
+def actor_options(resources: Mapping[str, float]) -> dict[str, Any]:
+    """Ray actor options of a resource request: `CPU` / `GPU` are `num_cpus` / `num_gpus`
+    (default one CPU: each actor's event loop and its engine or torch step need a core), the
+    rest go to `resources` (custom resources pin the actor to the nodes that have them)."""
+    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
+    options: dict[str, Any] = {"num_cpus": resources.get("CPU", 1)}
+    if "GPU" in resources:
+        options["num_gpus"] = resources["GPU"]
+    if custom:
+        options["resources"] = custom
+    return options
 
 
 def ray_num_cpus(config: TrainConfig) -> int:
@@ -259,6 +285,7 @@ def plan(
             log_dir=log_dir,
             failures_path=str((run_dir / "failures.jsonl").resolve()),
             restore=restores[i],
+            resources=parse_resources(config.rollout_resources),
         )
         for i, share in enumerate(shares)
     )
@@ -291,6 +318,7 @@ def plan(
         cpu=1 if pin else None,
         log_dir=log_dir,
         world_size=config.trainer_workers,
+        resources=parse_resources(config.trainer_resources),
     )
     return RunPlan(
         queue_maxsize=queue_maxsize(config),

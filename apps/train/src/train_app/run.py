@@ -43,7 +43,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from train_app.config import TrainConfig, to_toml
 from train_app.inflight import load_inflight
 from train_app.outputs import MetricsWriter, plot_run, print_summary
-from train_app.plan import MAX_MODEL_LEN_CAP, ResumePoint, RunPlan, plan, ray_num_cpus
+from train_app.plan import (
+    MAX_MODEL_LEN_CAP,
+    ResumePoint,
+    RunPlan,
+    actor_options,
+    plan,
+    ray_num_cpus,
+)
 from train_app.replica_metrics import aggregate_replica_metrics
 
 logger = logging.getLogger(__name__)
@@ -55,6 +62,9 @@ POLL_S = 0.5
 # After one trainer rank fails, how long the driver waits for the others' errors (a dead
 # rank breaks their collectives within a moment) so that the failure names them all.
 RANK_FAILURE_GRACE_S = 2.0
+# After training, how long the group accounting waits for the rollouters' in-flight groups
+# to land (admission stops them soon after the trainer stops consuming).
+SETTLE_S = 15.0
 # Environment of every actor process: in-process vLLM engine core, no hub access.
 WORKER_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -360,6 +370,7 @@ async def _drive(
         ray_s = time.monotonic() - t0
         stopper.install()  # ray.init replaced SIGTERM's handler with one that aborts
         run_plan, prepare_s = await planned
+        await asyncio.to_thread(_warn_unplaceable, run_plan)
         session = _Session(config, run_plan, console, stopper)
         session.timings.update(
             prepare_s=prepare_s, ray_s=ray_s, prepare_and_ray_s=time.monotonic() - t0
@@ -440,6 +451,28 @@ def _start_local_ray(num_cpus: int, options: dict[str, Any], attempts: int = 3) 
             ray.shutdown()
 
 
+def _warn_unplaceable(run_plan: RunPlan) -> None:
+    """A resource no node of the cluster has (`--rollout-resources node2=1` on a cluster
+    without such a node) would leave the actor pending with no message: say so. A warning,
+    not an error: an autoscaling cluster may add the node later."""
+    import ray
+
+    have = ray.cluster_resources()
+    wanted = [("rollout", r.resources) for r in run_plan.replicas[:1]]
+    wanted.append(("trainer", run_plan.trainer.resources))
+    for role, resources in wanted:
+        for name, amount in resources.items():
+            if have.get(name, 0.0) < amount:
+                logger.warning(
+                    "the %s actor asks for %s=%g but the cluster has %g: it waits until a "
+                    "node with it joins",
+                    role,
+                    name,
+                    amount,
+                    have.get(name, 0.0),
+                )
+
+
 def _link_ray_logs(logs: Path) -> None:
     """`logs/ray` -> this Ray session's log directory (raylet, GCS, workers' own files)."""
     try:
@@ -470,6 +503,7 @@ class _Session:
         self.records: list[dict[str, Any]] = []
         self._kept_records = 0
         self.rollout_metrics: dict[str, Any] = {}
+        self.groups: dict[str, Any] = {}  # summary.json's `groups` (see _account_groups)
         # Seconds of each start-up phase (summary.json's `startup`): prepare (model, plan)
         # and ray (start or join) side by side, prepare_and_ray (both); actors (engines and
         # the trainer's model load side by side; engine and trainer_load are each one's
@@ -493,6 +527,7 @@ class _Session:
         train_s = time.monotonic() - train_started
         await self._collect_metrics()
         await self._write_failures()
+        self.groups = await self._account_groups(trainer_summary)
         before = self.timings.get("prepare_and_ray_s", 0.0)
         self.timings["to_training_s"] = before + train_started - t0
         return self._finish(trainer_summary, train_s)
@@ -530,8 +565,69 @@ class _Session:
             "engine": [pid for p in rollout_pids for pid in p[1:]],
             "trainer": trainer_pids[0][0],
             "trainer_ranks": [p[0] for p in trainer_pids],
+            "nodes": await self._node_ids(),
         }
         (self.run_dir / "actors.json").write_text(json.dumps(pids))
+
+    async def _node_ids(self) -> dict[str, Any]:
+        """The Ray node of each actor (hex ids): where `--rollout-resources` and
+        `--trainer-resources` placed them."""
+        rollout = await asyncio.gather(*(_await(r.node_id.remote()) for r in self.rollouts))
+        ranks = await asyncio.gather(*(_await(t.node_id.remote()) for t in self.trainers))
+        logger.info("rollouters on nodes %s, trainer ranks on %s", rollout, ranks)
+        return {"rollout": list(rollout), "trainer": ranks[0], "trainer_ranks": list(ranks)}
+
+    async def _account_groups(self, trainer_summary: dict[str, Any]) -> dict[str, Any]:
+        """Where every group of the run went (summary.json's `groups`), once the rollouters
+        are quiet: none in flight and nothing admitted for a poll (admission stops them when
+        the trainer stops consuming; `settled` is False if that took over SETTLE_S). Balanced:
+        rollouters delivered what the queue received; the queue's items were consumed,
+        dropped or are still queued; the trainer trained on or dropped what it consumed."""
+        # A stopped run takes one snapshot: the user asked to stop, not to wait.
+        deadline = time.monotonic() + (SETTLE_S if self.stopper.signum is None else 0.0)
+        previous: dict[str, int] | None = None
+        while True:
+            replies = await asyncio.gather(
+                *(asyncio.wait_for(_await(r.stats.remote()), 5) for r in self.rollouts),
+                return_exceptions=True,
+            )
+            if any(isinstance(r, BaseException) for r in replies):
+                return {"settled": False, "error": "a rollouter did not report its counts"}
+            keys = ("admitted", "delivered", "failed", "dropped", "in_flight")
+            rollout = {k: sum(int(r[k]) for r in replies) for k in keys}
+            settled = rollout["in_flight"] == 0 and rollout == previous
+            if settled or time.monotonic() > deadline:
+                break
+            previous = rollout
+            await asyncio.sleep(POLL_S)
+        try:
+            stats = await asyncio.wait_for(self.queue.stats(), 5)
+        except Exception as exc:  # bookkeeping only: never fails a finished run
+            return {"settled": False, "error": f"the queue did not report its counts: {exc!r}"}
+        queue = {
+            "produced": stats.produced,
+            "consumed": stats.consumed,
+            "dropped": stats.dropped_total,
+            "size": stats.size,
+        }
+        trainer = {
+            "trained": int(trainer_summary.get("groups", 0)),
+            "dropped": int(trainer_summary.get("dropped_groups", 0)),
+        }
+        balanced = (
+            rollout["delivered"] == queue["produced"]
+            and queue["produced"] == queue["consumed"] + queue["dropped"] + queue["size"]
+            and queue["consumed"] == trainer["trained"] + trainer["dropped"]
+        )
+        if settled and not balanced:
+            logger.warning("groups do not balance: %s %s %s", rollout, queue, trainer)
+        return {
+            "settled": settled,
+            "balanced": balanced,
+            "rollout": rollout,
+            "queue": queue,
+            "trainer": trainer,
+        }
 
     async def _train(self) -> dict[str, Any]:
         """Train while watching every actor; returns the trainer's summary."""
@@ -672,7 +768,11 @@ class _Session:
         if self.stopper.signum is not None:
             summary["interrupted_by"] = signal.Signals(self.stopper.signum).name
             summary["checkpoint_step"] = trainer_summary.get("checkpoint_step")
-        full = {**summary, "startup": {k: round(v, 2) for k, v in self.timings.items()}}
+        full = {
+            **summary,
+            "groups": self.groups,
+            "startup": {k: round(v, 2) for k, v in self.timings.items()},
+        }
         full["trainer_rank_steps"] = trainer_summary.get("rank_steps", [])
         (self.run_dir / "summary.json").write_text(json.dumps(full, indent=2))
         print_summary(summary, self.console)
@@ -716,19 +816,23 @@ def _create_queue(run_plan: RunPlan) -> Any:
 
 
 def _create_rollouters(run_plan: RunPlan, queue: Any) -> list[Any]:
-    """One rollout actor per replica plan (one CPU each); nothing starts until `start()`."""
+    """One rollout actor per replica plan (one CPU each, or its `--rollout-resources`);
+    nothing starts until `start()`."""
     from train_app.actors import RolloutActor
 
-    return [RolloutActor.options(num_cpus=1).remote(r, queue) for r in run_plan.replicas]
+    return [
+        RolloutActor.options(**actor_options(r.resources)).remote(r, queue)
+        for r in run_plan.replicas
+    ]
 
 
 def _create_trainers(run_plan: RunPlan, queue: Any, rollouts: list[Any]) -> list[Any]:
-    """One trainer actor per rank (one CPU each); rank 0 reads the queue and pushes weights
+    """One trainer actor per rank (one CPU each, or its `--trainer-resources`); rank 0 reads the queue and pushes weights
     to every rollouter, the others get neither."""
     from train_app.actors import TrainerActor
 
     return [
-        TrainerActor.options(num_cpus=1).remote(
+        TrainerActor.options(**actor_options(rank_plan.resources)).remote(
             rank_plan, *((queue, rollouts) if rank_plan.rank == 0 else (None, []))
         )
         for rank_plan in run_plan.trainer_ranks
