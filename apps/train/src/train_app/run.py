@@ -827,8 +827,8 @@ def _create_rollouters(run_plan: RunPlan, queue: Any) -> list[Any]:
 
 
 def _create_trainers(run_plan: RunPlan, queue: Any, rollouts: list[Any]) -> list[Any]:
-    """One trainer actor per rank (one CPU each, or its `--trainer-resources`); rank 0 reads the queue and pushes weights
-    to every rollouter, the others get neither."""
+    """One trainer actor per rank (one CPU each, or its `--trainer-resources`); rank 0 reads
+    the queue and pushes weights to every rollouter, the others get neither."""
     from train_app.actors import TrainerActor
 
     return [
