@@ -37,16 +37,21 @@ def _item(serial: int, size: int, version: int = 0) -> QueueItem:
     return QueueItem(payload=payload, version=version, item_id=f"s-{serial}")
 
 
-def plasma_objects() -> int:
-    """Objects in the object store of this (one-node) cluster, from Ray's memory summary."""
+def plasma_usage() -> tuple[float, int]:
+    """(whole MiB, objects) in the object store of this (one-node) cluster, from Ray's memory
+    summary."""
     from ray._private.internal_api import memory_summary
 
     # Our own cluster's address: other Ray clusters may run on this machine.
     address = ray.get_runtime_context().gcs_address
     summary = memory_summary(address=address, stats_only=True)
-    found = re.search(r"Plasma memory usage .*?, (\d+) objects", summary)
+    found = re.search(r"Plasma memory usage ([\d.]+) MiB, (\d+) objects", summary)
     assert found, summary
-    return int(found.group(1))
+    return float(found.group(1)), int(found.group(2))
+
+
+def plasma_objects() -> int:
+    return plasma_usage()[1]
 
 
 def wait_for_objects(at_most: int, seconds: float = 30.0) -> int:
@@ -140,21 +145,25 @@ async def test_by_ref_items_survive_a_producer_that_exits() -> None:
 
 
 async def test_consumed_and_dropped_payloads_are_freed_from_the_object_store() -> None:
-    """20 x 1 MiB by ref: while queued they are in the object store; once consumed, dropped as
-    stale or dropped by a producer failure, none is left (~3 s)."""
+    """20 x 1 MiB by ref in one put_many: while queued they are in the object store, as ONE
+    object (one per put call); once consumed, dropped as stale or dropped by a producer
+    failure, none is left (~3 s)."""
     client = MessageQueueClient.create(maxsize=32)
     await client.size()
     before = await asyncio.to_thread(wait_for_objects, 0, 5.0)
+    before_mib = (await asyncio.to_thread(plasma_usage))[0]
     await client.put_many([_item(i, MIB, version=i // 5) for i in range(20)])
-    queued = await asyncio.to_thread(plasma_objects)
-    assert queued >= before + 20, (before, queued)
+    # The producer's own copy is freed once the queue actor owns its copy: one object left.
+    assert await asyncio.to_thread(wait_for_objects, before + 1) == before + 1
+    queued_mib = (await asyncio.to_thread(plasma_usage))[0]
+    assert queued_mib >= before_mib + 19, (before_mib, queued_mib)
     got = await client.get_batch(10, current_version=3, max_staleness=1)  # drops versions 0, 1
     assert [i.item_id for i in got] == [f"s-{i}" for i in range(10, 20)]
     assert (await client.stats()).dropped == {"stale": 10}
     del got
     assert await asyncio.to_thread(wait_for_objects, before) <= before
     await client.put_many([_item(i, MIB) for i in range(20, 30)])
-    assert await asyncio.to_thread(plasma_objects) >= before + 10
+    assert (await asyncio.to_thread(plasma_usage))[0] >= before_mib + 9
     await client.close(RuntimeError("producer failed"))  # drops the 10 queued items
     assert await asyncio.to_thread(wait_for_objects, before) <= before
     ray.kill(client.handle)

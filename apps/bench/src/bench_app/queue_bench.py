@@ -115,8 +115,8 @@ def _cases(quick: bool) -> list[Case]:
         Case(
             payload_bytes=4 * 2**20,
             batch=8,
-            items=128 if not quick else 64,
-            maxsize=32,
+            items=256 if not quick else 64,  # the same work as the ray queue row it is
+            maxsize=32,  # compared with
             owner="producer",
         ),
     ]

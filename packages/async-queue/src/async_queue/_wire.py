@@ -11,11 +11,16 @@ the actor and the raylet):
   `DEFAULT_BY_REF_BYTES`): the `QueueItem` itself, which Ray pickles. This copies the payload
   fewer times than encoding it first (256 KiB: ~1.1 vs ~2.2 ms per item).
 - payload >= `by_ref_bytes`: a `ByRef`: the version, the item without its payload (encoded),
-  and an `ObjectRef` of the payload, which the producing client `ray.put` as an out-of-band
-  pickle buffer (one copy into the object store; readers map it without copying). The ref is
+  an `ObjectRef` and the payload's `index` in it. The producing client `ray.put`s the
+  by-ref payloads of one call together, as ONE object (a list of out-of-band pickle buffers:
+  one copy into the object store; readers map it without copying): creating, sealing,
+  re-owning and fetching an object costs far more than copying a few MiB into it, so one
+  object per call instead of one per item (8 x 4 MiB: ~2-3x less put time here). The ref is
   nested in the argument list, so Ray hands it to the actor as a ref and never fetches the
-  payload there; the actor re-owns it (see `actor.QueueActor.put_many`) and hands the same
-  kind of element back from `get_batch`; the consuming client awaits the ref.
+  payload there; the actor re-owns each distinct object once (see
+  `actor.QueueActor.put_many`) and hands the same kind of element back from `get_batch`; the
+  consuming client awaits each distinct ref once. An object is freed once every item of its
+  call is delivered or dropped.
 
 The actor never decodes payloads: it reads only each item's `version` (for an encoded item,
 msgspec skips the payload bytes without copying them) and hands the same elements back from
@@ -44,6 +49,7 @@ __all__ = [
     "adopt_for_owner",
     "check_by_ref_bytes",
     "decode_stats",
+    "distinct_refs",
     "encode_stats",
     "from_wire",
     "from_wire_blocking",
@@ -61,15 +67,17 @@ DEFAULT_BY_REF_BYTES = 64 * 1024
 
 
 class ByRef(NamedTuple):
-    """A by-reference item on the wire: what the actor needs plus a ref of the payload.
+    """A by-reference item on the wire: what the actor needs plus where its payload is.
 
     `header` is the msgpack encoding of the item with an empty payload; `ref` holds the
-    payload as a pickle buffer. Nested in a list, the ref is not resolved by Ray when the
-    list is a call argument or return value."""
+    payloads of one put call as a list of pickle buffers, this item's at `index`. Nested in
+    a list, the ref is not resolved by Ray when the list is a call argument or return value.
+    """
 
     version: int
     header: bytes
     ref: ray.ObjectRef
+    index: int
     adopt: bool = True  # the queue actor re-owns the payload (by_ref_owner "queue")
 
 
@@ -122,33 +130,45 @@ def to_wire(
 ) -> list[WireItem]:
     """Client side, put: each item as bytes, as itself, or by reference (see the module doc).
 
-    Blocking when an item goes by reference (`ray.put`); async callers run it in a thread."""
-    return [_to_wire_one(item, by_ref_bytes, adopt) for item in items]
-
-
-def _to_wire_one(item: QueueItem, by_ref_bytes: int | None, adopt: bool) -> WireItem:
-    size = len(item.payload)
-    if by_ref_bytes is not None and size >= by_ref_bytes:
-        header = _encode(msgspec.structs.replace(item, payload=b""))
+    Blocking when an item goes by reference (`ray.put`, once for all of them); async callers
+    run it in a thread."""
+    items = list(items)
+    by_ref = [
+        k
+        for k, item in enumerate(items)
+        if by_ref_bytes is not None and len(item.payload) >= by_ref_bytes
+    ]
+    elements: list[WireItem] = [
+        item if len(item.payload) >= LARGE_PAYLOAD_BYTES else _encode(item) for item in items
+    ]
+    if by_ref:
         # Out of band: written once into the object store, mapped (not copied) by readers.
-        return ByRef(item.version, header, ray.put(pickle.PickleBuffer(item.payload)), adopt)
-    return item if size >= LARGE_PAYLOAD_BYTES else _encode(item)
+        ref = ray.put([pickle.PickleBuffer(items[k].payload) for k in by_ref])
+        for index, k in enumerate(by_ref):
+            item = items[k]
+            header = _encode(msgspec.structs.replace(item, payload=b""))
+            elements[k] = ByRef(item.version, header, ref, index, adopt)
+    return elements
 
 
-def _refs(elements: Sequence[WireItem]) -> list[ray.ObjectRef]:
-    return [e.ref for e in elements if isinstance(e, ByRef)]
+def distinct_refs(elements: Sequence[WireItem]) -> dict[bytes, ray.ObjectRef]:
+    """The distinct payload objects among `elements` (object id -> ref), in order."""
+    refs: dict[bytes, ray.ObjectRef] = {}
+    for e in elements:
+        if isinstance(e, ByRef):
+            refs.setdefault(e.ref.binary(), e.ref)
+    return refs
 
 
-def _build(elements: Sequence[WireItem], payloads: Sequence[Any]) -> list[QueueItem]:
-    fetched = iter(payloads)
+def _build(elements: Sequence[WireItem], objects: dict[bytes, Any]) -> list[QueueItem]:
     items: list[QueueItem] = []
     for e in elements:
         if isinstance(e, QueueItem):
             items.append(e)
         elif isinstance(e, ByRef):
             # bytes(...) is the one copy out of the object store; the mapping is released
-            # with the fetched buffer, and the object once every ref to it is gone.
-            payload = bytes(next(fetched))
+            # with the fetched buffers, and the object once every ref to it is gone.
+            payload = bytes(objects[e.ref.binary()][e.index])
             items.append(msgspec.structs.replace(_decode_item(e.header), payload=payload))
         else:
             items.append(_decode_item(e))
@@ -157,23 +177,26 @@ def _build(elements: Sequence[WireItem], payloads: Sequence[Any]) -> list[QueueI
 
 def from_wire(elements: list[WireItem]) -> list[QueueItem]:
     """Client side, get, for elements without refs: back to `QueueItem`s."""
-    return _build(elements, ())
+    return _build(elements, {})
 
 
 async def resolve(elements: list[WireItem]) -> list[QueueItem]:
-    """Client side, get (async): back to `QueueItem`s, awaiting the refs of by-ref payloads.
+    """Client side, get (async): back to `QueueItem`s, awaiting each distinct payload object
+    once (all together).
 
     Without refs it returns without suspending (so a caller has no extra cancel point)."""
-    refs = _refs(elements)
+    refs = distinct_refs(elements)
     if not refs:
-        return _build(elements, ())
-    return _build(elements, await asyncio.gather(*refs))
+        return _build(elements, {})
+    return _build(elements, dict(zip(refs, await asyncio.gather(*refs.values()), strict=True)))
 
 
 def from_wire_blocking(elements: list[WireItem]) -> list[QueueItem]:
-    """Client side, get (sync client only): fetches by-ref payloads with `ray.get`."""
-    refs = _refs(elements)
-    return _build(elements, ray.get(refs) if refs else ())
+    """Client side, get (sync client only): fetches by-ref payloads with one `ray.get`."""
+    refs = distinct_refs(elements)
+    if not refs:
+        return _build(elements, {})
+    return _build(elements, dict(zip(refs, ray.get(list(refs.values())), strict=True)))
 
 
 def to_raw_items(elements: list[WireItem]) -> list[RawItem]:

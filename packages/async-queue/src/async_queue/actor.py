@@ -11,11 +11,11 @@ A get carries a `ticket` (a client-made id) so that its caller can abandon it: s
 
 By-reference payloads (`_wire.ByRef`, put by the producing client) are re-owned by this actor
 before they are queued: a small helper actor (`PayloadAdopter`, started by this actor on first
-use, on its node) returns each payload as a new object, and the owner of a call's return
-values is its caller, i.e. this actor. The producer's own object is freed when its put
-returns, so a producer that exits loses nothing it put. (Ray >= 2.56 has no
-`ray.put(..., _owner=)`.) The queue holds only refs; the payload bytes never enter this
-process.
+use, on its node) returns each payload object (one per put call: a list of payloads) as a
+new object, and the owner of a call's return values is its caller, i.e. this actor. The
+producer's own object is freed when its put returns, so a producer that exits loses nothing
+it put. (Ray >= 2.56 has no `ray.put(..., _owner=)`.) The queue holds only refs; the payload
+bytes never enter this process.
 """
 
 from __future__ import annotations
@@ -49,14 +49,15 @@ _EARLY_ABANDONS_KEPT = 1024
 
 
 class PayloadAdopter:
-    """Returns by-ref payloads as new objects, owned by whoever called `adopt` (the queue
-    actor). It only passes buffers through: Ray maps each argument from the object store
-    without copying and writes each return value once into it."""
+    """Returns by-ref payload objects as new objects, owned by whoever called `adopt` (the
+    queue actor). It only passes buffers through: Ray maps each argument (a list of payload
+    buffers) from the object store without copying and writes each return value once into
+    it."""
 
-    def adopt(self, *payloads: Any) -> tuple[Any, ...]:
+    def adopt(self, *objects: list[Any]) -> tuple[Any, ...]:
         # The last return value is a small marker: awaiting it tells the caller that every
         # new object is stored, without fetching any payload into the caller.
-        return (*(pickle.PickleBuffer(p) for p in payloads), len(payloads))
+        return (*([pickle.PickleBuffer(p) for p in obj] for obj in objects), len(objects))
 
 
 class QueueActor:
@@ -86,24 +87,29 @@ class QueueActor:
         return _process_memory()
 
     async def _adopt(self, elements: list[_wire.WireItem]) -> list[_wire.WireItem]:
-        """Re-own the by-ref payloads among `elements` (see the module doc)."""
-        positions = [i for i, e in enumerate(elements) if isinstance(e, _wire.ByRef) and e.adopt]
-        if not positions or self._queue.closed:  # closed: the put fails; copy nothing
+        """Re-own the by-ref payload objects among `elements` (see the module doc): one
+        adopter call, one new object per distinct object (normally one per put call)."""
+        to_adopt = [e for e in elements if isinstance(e, _wire.ByRef) and e.adopt]
+        if not to_adopt or self._queue.closed:  # closed: the put fails; copy nothing
             return elements
         if self._adopter is None:
             self._adopter = _start_adopter()
-        method = self._adopter.adopt.options(num_returns=len(positions) + 1)
-        refs = method.remote(*(elements[i].ref for i in positions))  # type: ignore[union-attr]
+        objects = _wire.distinct_refs(to_adopt)
+        method = self._adopter.adopt.options(num_returns=len(objects) + 1)
+        refs = method.remote(*objects.values())
         try:
             await refs[-1]  # only the marker is fetched; the payloads stay in the store
         except ray.exceptions.RayActorError:
             self._adopter = None  # start a new one for the next put
             raise
-        adopted = list(elements)
-        for i, ref in zip(positions, refs, strict=False):
+        adopted = dict(zip(objects, refs, strict=False))
+        return [
             # Marked adopted, so that a requeue or a later hop never copies it again.
-            adopted[i] = elements[i]._replace(ref=ref, adopt=False)  # type: ignore[union-attr]
-        return adopted
+            e._replace(ref=adopted[e.ref.binary()], adopt=False)
+            if isinstance(e, _wire.ByRef) and e.adopt
+            else e
+            for e in elements
+        ]
 
     async def get(
         self,

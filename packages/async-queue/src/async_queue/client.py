@@ -7,8 +7,9 @@ moves in one call as msgpack-encoded items. Exceptions the actor raises arrive w
 `QueueFull`, `QueueTimeout`.
 
 Payloads of `by_ref_bytes` (default 64 KiB) or more go by reference: the producing client
-`ray.put`s them (in a worker thread, off the loop), the actor queues only refs (and re-owns
-them, so they survive the producer), and the consuming client awaits the refs (see `_wire`).
+`ray.put`s those of one call as one object (in a worker thread, off the loop), the actor
+queues only refs (and re-owns them, so they survive the producer), and the consuming client
+awaits each distinct ref once (see `_wire`).
 
 Concurrent single `put`s of one async client coalesce: while one call is in flight, the
 items of further `put`s wait in the client and go together in the next call (`put_each`),
@@ -40,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, NoReturn, Self
 
 import ray
@@ -109,21 +110,29 @@ class _PutBatcher:
     """Coalesces the concurrent single puts of one client on one event loop (module doc).
 
     At most one `put_each` call is in flight; items that arrive meanwhile wait in `_pending`
-    and go together in the next call, in arrival order. Each caller awaits its own future."""
+    and go together in the next call, in arrival order. Each caller awaits its own future.
+    Items are turned into wire elements per call (`to_wire`), so the by-ref payloads of one
+    call share one object-store object."""
 
-    __slots__ = ("_actor", "_flusher", "_in_flight", "_pending", "loop")
+    __slots__ = ("_actor", "_flusher", "_in_flight", "_pending", "_to_wire", "loop")
 
-    def __init__(self, actor: ActorHandle, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        actor: ActorHandle,
+        to_wire: Callable[[Sequence[QueueItem]], Awaitable[list[_wire.WireItem]]],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
         self._actor = actor
+        self._to_wire = to_wire
         self.loop = loop
-        self._pending: list[tuple[_wire.WireItem, asyncio.Future[None]]] = []
+        self._pending: list[tuple[QueueItem, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
         # The call in flight and its callers' futures (to ray.cancel it if all give up).
         self._in_flight: tuple[ray.ObjectRef, list[asyncio.Future[None]]] | None = None
 
-    async def put(self, element: _wire.WireItem) -> None:
+    async def put(self, item: QueueItem) -> None:
         future: asyncio.Future[None] = self.loop.create_future()
-        self._pending.append((element, future))
+        self._pending.append((item, future))
         if self._flusher is None or self._flusher.done():
             self._flusher = self.loop.create_task(self._flush())
         try:
@@ -136,15 +145,26 @@ class _PutBatcher:
             raise
 
     async def _flush(self) -> None:
-        batch: list[tuple[_wire.WireItem, asyncio.Future[None]]] = []
+        batch: list[tuple[QueueItem, asyncio.Future[None]]] = []
         try:
             while self._pending:
-                batch = [(e, f) for e, f in self._pending if not f.done()]
+                batch = [(i, f) for i, f in self._pending if not f.done()]
                 self._pending.clear()
                 if not batch:
                     continue
-                futures = [f for _, f in batch]
-                ref = self._actor.put_each.remote([e for e, _ in batch])
+                try:
+                    wire = await self._to_wire([i for i, _ in batch])
+                except Exception as exc:  # e.g. the object store is full
+                    _fail_all([f for _, f in batch], exc)
+                    batch = []
+                    continue
+                # Callers cancelled while their payloads were being stored: still not sent.
+                elements = [e for e, (_, f) in zip(wire, batch, strict=True) if not f.done()]
+                futures = [f for _, f in batch if not f.done()]
+                if not futures:
+                    batch = []
+                    continue
+                ref = self._actor.put_each.remote(elements)
                 self._in_flight = (ref, futures)
                 try:
                     outcomes = await ref
@@ -291,12 +311,11 @@ class MessageQueueClient:
 
         Concurrent puts of this client coalesce into one actor call (module doc)."""
         _check_items((item,))
-        (element,) = await self._to_wire((item,))
         loop = asyncio.get_running_loop()
         batcher = self._batcher
         if batcher is None or batcher.loop is not loop:
-            batcher = self._batcher = _PutBatcher(self._actor, loop)
-        await batcher.put(element)
+            batcher = self._batcher = _PutBatcher(self._actor, self._to_wire, loop)
+        await batcher.put(item)
 
     async def put_many(self, items: Sequence[QueueItem]) -> None:
         """Enqueue many items in one Ray call (in order). Policy reject refuses all or none."""
