@@ -77,9 +77,16 @@ class RolloutActor:
         self._run_task: asyncio.Task[Any] | None = None
         self._stale_drops_seen = 0
 
-    async def start(self) -> float:
-        """Start the engine (tens of seconds on CPU) and the rollout loop; returns the
-        engine's start-up seconds."""
+    async def start(
+        self, weights: dict[str, Any] | None = None, version: int | None = None, begin: bool = True
+    ) -> float:
+        """Start the engine (tens of seconds on CPU) and, with `begin`, the rollout loop;
+        returns the engine's start-up seconds.
+
+        A replacement for a dead replica (the driver's restart) gets the trainer's last pushed
+        `weights` and their `version`: they are loaded before the rollouter is built, so its
+        admission budget counts from that version, and `begin=False` lets the driver attach
+        it to the trainer's weight pushes before it generates (then `begin()`)."""
         from mm_preprocess import EventLoopLagMonitor
         from rollout_engine import Rollouter
         from transformers import AutoTokenizer
@@ -100,6 +107,10 @@ class RolloutActor:
             # The task's prompts carry expanded image placeholders; the engine collapses them.
             engine_config = dataclasses.replace(engine_config, image_token_id=task.image_token_id)
         self._engine = await _make_engine(engine_config)
+        if weights is not None and version is not None:
+            await self._engine.pause(mode="keep", clear_cache=True)
+            await self._engine.load_weights(weights, version)
+            await self._engine.resume()
         self._preprocessor = None
         if is_vision_task(plan.task):
             # Images are decoded and resized in VisionPreprocessor's bounded thread pool.
@@ -122,19 +133,27 @@ class RolloutActor:
             environment=getattr(task, "environment", None),
             episode=getattr(task, "episode", None),
         )
-        self._lag.reset()  # report the steady state, not the engine start-up
-        self._run_task = asyncio.create_task(self._run())
+        # Drops the queue counted before this replica existed are not its own (a replacement).
+        self._stale_drops_seen = self._drop_share(await self._stale_drops())
+        if begin:
+            await self.begin()
         return float(getattr(self._engine, "startup_s", 0.0))
+
+    async def begin(self) -> None:
+        """Start the rollout loop (once)."""
+        if self._run_task is None:
+            self._lag.reset()  # report the steady state, not the engine start-up
+            self._run_task = asyncio.create_task(self._run())
 
     async def _run(self) -> dict[str, Any]:
         try:
             stats = await self._rollouter.run()
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:
+        except BaseException:
+            # The driver sees it through `wait()` and restarts this replica or fails the
+            # queue (and so the run) with the cause: the queue stays open for a replacement.
             logger.exception("rollouter failed")
-            # The trainer must not wait forever on a queue nobody fills: fail it with the cause.
-            await self._queue.close(error=exc)
             raise
         import msgspec
 
@@ -153,16 +172,24 @@ class RolloutActor:
         """Groups the queue dropped as too stale free their admission slots (otherwise each
         drop shrinks generate-ahead for good). The queue counts drops for all replicas
         together; replica i takes drops i, i + n, i + 2n, ... so the shares sum to the total."""
-        try:
-            stats = await self._queue.stats()
-        except Exception:  # a failing queue is reported by the driver
+        total = await self._stale_drops()
+        if total is None:
             return
-        total = stats.dropped.get("stale", 0)
-        n, i = self._plan.replicas, self._plan.replica
-        share = (total - i + n - 1) // n if total > i else 0
+        share = self._drop_share(total)
         if share > self._stale_drops_seen:
             self._rollouter.on_downstream_drop(share - self._stale_drops_seen)
             self._stale_drops_seen = share
+
+    async def _stale_drops(self) -> int | None:
+        try:
+            stats = await self._queue.stats()
+        except Exception:  # a failing queue is reported by the driver
+            return None
+        return stats.dropped.get("stale", 0)
+
+    def _drop_share(self, total: int | None) -> int:
+        n, i = self._plan.replicas, self._plan.replica
+        return (total - i + n - 1) // n if total is not None and total > i else 0
 
     async def metrics(self) -> dict[str, Any]:
         metrics = dict(self._rollouter.metrics())
@@ -220,12 +247,16 @@ class TrainerActor:
         self._train_started: float | None = None
         self._stop_requested = False
         self._setup_lock = asyncio.Lock()
+        self._source: Any = None  # train()'s QueueBatchSource
 
     def log(self, metrics: dict[str, Any], step: int) -> None:  # MetricsSink
         # `trainer/wall_s`: seconds since training began (after the model load), so time to
         # a target reward compares sync and async runs on the same footing.
         wall_s = time.monotonic() - self._train_started if self._train_started else 0.0
-        self._records.append((step, {**metrics, "trainer/wall_s": wall_s}))
+        extra = {"trainer/wall_s": wall_s}
+        if self._source is not None:  # groups of a prompt already taken (elastic rollouters)
+            extra["trainer/duplicates_dropped"] = float(self._source.duplicates)
+        self._records.append((step, {**metrics, **extra}))
 
     async def setup(self) -> float:
         """Load the model (and the checkpoint of a resumed run) and build the trainer; returns
@@ -289,7 +320,10 @@ class TrainerActor:
             # The engines started from the initial weights: give them the checkpoint's.
             weights = await asyncio.to_thread(export_weights, self._trainer.model)
             await self._sink.push_weights(weights, self._trainer.version)
-        source = QueueBatchSource(self._queue, plan.ppo.max_staleness)
+        source = QueueBatchSource(
+            self._queue, plan.ppo.max_staleness, taken=self._trainer.consumed_prompt_ids
+        )
+        self._source = source
         self._train_started = time.monotonic()
         start_step = self._trainer.step
         summary = await self._trainer.train(source, end_of_stream=(QueueClosed,))
@@ -317,6 +351,29 @@ class TrainerActor:
 
     async def pids(self) -> list[int]:
         return _process_tree()
+
+    async def rollout_handoff(self) -> dict[str, Any]:
+        """What a replacement rollout replica starts from (the driver's restart):
+        `weights` (`[ref]` of the last pushed weights, or None before the first push, when
+        the model's own files are current), their `version`, and `taken`: every prompt id
+        handed to training so far (consumed, in the step under way, or before a resume),
+        which its prompt stream skips."""
+        await self.setup()
+        last = self._sink.last
+        taken = set(self._trainer.consumed_prompt_ids)
+        if self._source is not None:
+            taken |= self._source.taken
+        return {
+            "weights": None if last is None else [last[0]],
+            "version": None if last is None else last[1],
+            "taken": sorted(taken),
+        }
+
+    async def attach_rollout(self, index: int, actor: Any, version: int | None) -> None:
+        """Replica `index` is now `actor`, which serves `version` (None: the model's own
+        files): it gets the weights pushed since, then every later push."""
+        await self.setup()
+        await self._sink.attach(index, actor, -1 if version is None else version)
 
     async def stop(self) -> None:
         """Graceful stop: the step in progress finishes, then `train()` checkpoints and
