@@ -76,6 +76,8 @@ class RolloutActor:
         self._queue = queue
         self._run_task: asyncio.Task[Any] | None = None
         self._stale_drops_seen = 0
+        # Failed with the error of a weight push this replica could not load (see wait()).
+        self._broken: asyncio.Future[None] | None = None
 
     async def start(
         self, weights: dict[str, Any] | None = None, version: int | None = None, begin: bool = True
@@ -97,6 +99,7 @@ class RolloutActor:
         from train_app.wiring import QueueTrajectorySink
 
         plan = self._plan
+        self._broken = asyncio.get_running_loop().create_future()
         self._lag = EventLoopLagMonitor()
         await self._lag.start()
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, plan.model_dir)
@@ -160,12 +163,24 @@ class RolloutActor:
         return msgspec.to_builtins(stats)
 
     async def wait(self) -> dict[str, Any]:
-        """Returns when the rollout loop ends; raises its error if it failed."""
-        assert self._run_task is not None, "start() first"
+        """Returns when the rollout loop ends; raises its error if it failed, or the error of
+        a weight push this replica could not load (it is then of no use to the run: the
+        driver restarts it)."""
+        assert self._run_task is not None and self._broken is not None, "start() first"
+        await asyncio.wait({self._run_task, self._broken}, return_when=asyncio.FIRST_COMPLETED)
+        if self._broken.done():
+            self._broken.result()  # raises the push's error
         return await asyncio.shield(self._run_task)
 
     async def update_weights(self, weights: dict[str, Any], version: int) -> None:
-        await self._rollouter.update_weights(weights, version)
+        try:
+            await self._rollouter.update_weights(weights, version)
+        except Exception as exc:
+            # E.g. a dead engine (EngineDeadError): report it through wait(), with its cause.
+            logger.exception("weights v%d could not be loaded", version)
+            if self._broken is not None and not self._broken.done():
+                self._broken.set_exception(exc)
+            raise
         await self._report_downstream_drops()
 
     async def _report_downstream_drops(self) -> None:

@@ -106,7 +106,7 @@ class QueueBatchSource:
 class RolloutWeightSink:
     """Pushes weights to every rollouter actor through Ray's object store and awaits them.
 
-    A replica whose push fails (its actor died, or its engine) is killed and skipped; the
+    A replica whose push fails (its actor died, or its engine) is skipped from then on; the
     driver restarts it and `attach` puts the replacement in its place. Pushes and attaches are
     serialized, so a replacement misses no version: `attach` loads the last pushed weights
     into it (when newer than what it started with) before later pushes reach it."""
@@ -132,16 +132,10 @@ class RolloutWeightSink:
 
     def _detach(self, index: int, actor: Any, version: int, error: BaseException) -> None:
         """A replica that could not take the weights (its actor died, or its engine did)
-        leaves the pushes and is killed, so the driver restarts it (or, past
-        `--max-rollout-restarts`, fails the run) instead of it generating with old weights."""
-        logger.warning(
-            "rollouter %d failed to load weights v%d (%r): restarting it", index, version, error
-        )
+        leaves the pushes; its `wait()` fails with the error, so the driver restarts it (or,
+        past `--max-rollout-restarts`, fails the run with that cause)."""
+        logger.warning("rollouter %d did not load weights v%d: %r", index, version, error)
         self._actors[index] = None
-        try:
-            ray.kill(actor)
-        except Exception as exc:  # already dead
-            logger.debug("ray.kill of rollouter %d: %r", index, exc)
 
     async def attach(self, index: int, actor: Any, version: int) -> None:
         """Replica `index` is now `actor`, which serves weights of `version`: push it the
