@@ -13,7 +13,6 @@ what the tokens are, and a fake engine starts in milliseconds instead of a minut
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
@@ -27,10 +26,9 @@ import psutil
 import pytest
 from ppo_trainer import read_checkpoint_meta
 from rich.console import Console
-from rollout_engine.testing import FakeEngineConfig
 from train_app.config import TrainConfig
-from train_app.plan import RunPlan
 from train_app.run import WORKER_ENV, RunFailed, run
+from train_app.testing import fake_engines
 
 pytestmark = pytest.mark.slow
 
@@ -57,26 +55,6 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
-
-
-def fake_engines(run_plan: RunPlan, time_per_token_s: float = 0.01) -> RunPlan:
-    """Every replica on a FakeEngine (own seed, short responses, a real asyncio clock)."""
-    eos = run_plan.replicas[0].rollout.sampling.stop_token_ids[0]
-    replicas = tuple(
-        dataclasses.replace(
-            r,
-            engine=FakeEngineConfig(
-                seed=r.replica,
-                vocab_size=20,
-                eos_token_id=eos,
-                median_length=4,
-                time_per_token_s=time_per_token_s,
-                initial_version=r.engine.initial_version,
-            ),
-        )
-        for r in run_plan.replicas
-    )
-    return dataclasses.replace(run_plan, replicas=replicas)
 
 
 def _records(run_dir: Path) -> list[dict]:

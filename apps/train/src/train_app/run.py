@@ -508,8 +508,9 @@ class _Session:
         await self._write_pids()
 
     async def _write_pids(self) -> None:
-        """actors.json: the process ids of the driver and of every live actor (rewritten
-        atomically after a rollouter restart; a dead replica's entry is its last known)."""
+        """actors.json: the process ids of the driver and of every live actor, the queue's
+        included (rewritten atomically after a rollouter restart; a dead replica's entry is
+        its last known)."""
         replies = await asyncio.gather(
             *(_await(r.pids.remote()) for r in self.rollouts), return_exceptions=True
         )
@@ -524,6 +525,7 @@ class _Session:
             "rollout": [p[0] for p in rollout_pids if p],
             "engine": [pid for p in rollout_pids for pid in p[1:]],
             "trainer": trainer_pids[0],
+            "queue": (await self.queue.actor_memory())["pid"],
         }
         path = self.run_dir / "actors.json"
         path.with_suffix(".tmp").write_text(json.dumps(pids))
@@ -533,6 +535,8 @@ class _Session:
         """Train while watching every actor; returns the trainer's summary."""
         started = time.monotonic()
         train_ref = asyncio.ensure_future(_await(self.trainer.train.remote()))
+        # Its error after another failure ended the run (the queue failed under it) is no news.
+        train_ref.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.stopper.graceful = self._stop_training
         rollout_refs = [asyncio.ensure_future(_await(r.wait.remote())) for r in self.rollouts]
         for ref in rollout_refs:  # their end after a clean stop is not news
