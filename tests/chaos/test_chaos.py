@@ -111,6 +111,7 @@ def _start(schedule: Schedule, run_dir: Path, address: str, resume: bool = False
             "max_staleness": K, "checkpoint_every": 2, "max_tokens": 6,
             "rollout_replicas": schedule.replicas, "ray_address": address,
             "lr_schedule": "constant", "resume": str(run_dir) if resume else None,
+            "time_per_token_s": 0.05,
         }  # fmt: skip
         args = [str(HERE / "fake_run.py"), json.dumps(fields)]
     return subprocess.Popen(
