@@ -54,7 +54,7 @@ from train_app.replica_metrics import aggregate_replica_metrics
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunFailed", "RunInterrupted", "RunResult", "run"]
+__all__ = ["RAY_SUBREAPER", "RunFailed", "RunInterrupted", "RunResult", "run"]
 
 # How often the driver polls metrics and actor health.
 POLL_S = 0.5
@@ -69,6 +69,11 @@ WORKER_ENV = {
     "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
     "VLLM_LOGGING_LEVEL": "WARNING",
 }
+
+
+# The raylet of a local cluster adopts and kills orphaned processes of dead workers (a
+# SIGKILLed rollouter's vLLM engine core); see `_start_local_ray`.
+RAY_SUBREAPER = {"RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper": "true"}
 
 
 class RunFailed(RuntimeError):
@@ -423,8 +428,15 @@ def _start_ray(config: TrainConfig, logs: Path) -> bool:
 
 def _start_local_ray(num_cpus: int, options: dict[str, Any], attempts: int = 3) -> None:
     """Start a local cluster; retried because Ray's raylet gives its metrics agent a fixed
-    15 s to start, which a heavily loaded 2-core machine can miss."""
+    15 s to start, which a heavily loaded 2-core machine can miss.
+
+    The raylet is made a subreaper (`RAY_SUBREAPER`): a rollouter killed with SIGKILL leaves
+    vLLM's engine core orphaned (measured: it outlives its parent), and the raylet then
+    kills it within ~10 s instead of it running on. A cluster joined with `--ray-address`
+    needs the same variable where it is started."""
     import ray
+
+    os.environ.update({k: v for k, v in RAY_SUBREAPER.items() if k not in os.environ})
 
     for attempt in range(1, attempts + 1):
         try:
@@ -466,6 +478,7 @@ class _Session:
         self.records: list[dict[str, Any]] = []
         self.rollout_metrics: dict[str, Any] = {}
         self.rollout_restarts = 0
+        self._drain: asyncio.Future | None = None  # a trainer.drain_metrics reply pending
         self._starting: list[Any] = []  # replacement rollouters not yet in `rollouts`
         # Seconds of each start-up phase (summary.json's `startup`): prepare (model, plan)
         # and ray (start or join) side by side, prepare_and_ray (both); actors (engines and
@@ -486,7 +499,7 @@ class _Session:
         train_started = time.monotonic()
         trainer_summary = await self._train()
         train_s = time.monotonic() - train_started
-        await self._collect_metrics()
+        await self._collect_metrics(drain_s=60)  # the last rows: worth a longer wait
         await self._write_failures()
         before = self.timings.get("prepare_and_ray_s", 0.0)
         self.timings["to_training_s"] = before + train_started - t0
@@ -659,7 +672,7 @@ class _Session:
             ref.add_done_callback(lambda f: f.cancelled() or f.exception())
             return ref
 
-    async def _collect_metrics(self) -> None:
+    async def _collect_metrics(self, drain_s: float = 5) -> None:
         """Rollout metrics of every replica (aggregated), the queue's, and the trainer's new
         per-step records; one row per trainer step goes to the writer."""
         if self.trainer is None:
@@ -674,9 +687,18 @@ class _Session:
             queue_metrics = (await asyncio.wait_for(self.queue.stats(), 5)).as_metrics()
         except Exception:
             queue_metrics = {}
+        # drain_metrics hands its rows over once: a reply later than the wait (a starved
+        # trainer, e.g. while a replacement engine starts) is awaited at the next poll, not
+        # dropped with its rows.
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(_await(self.trainer.drain_metrics.remote()))
         try:
-            records = await asyncio.wait_for(_await(self.trainer.drain_metrics.remote()), 5)
+            records = await asyncio.wait_for(asyncio.shield(self._drain), drain_s)
+            self._drain = None
+        except TimeoutError:
+            records = []
         except Exception:
+            self._drain = None
             records = []
         assert self.writer is not None
         for step, metrics in records:
