@@ -1,7 +1,7 @@
 """The driver of a run: starts Ray and the actors, watches them, writes the outputs.
 
 Failure handling: if a rollouter dies (its actor, or its engine: the rollout loop fails, or
-a weight push into it does and the trainer's weight sink kills it), the driver restarts it
+a weight push into it does, which fails its `wait()`), the driver restarts it
 (`_Session._restart_rollouter`): a new `RolloutActor` with the same `ReplicaPlan`, started
 from the trainer's last pushed weights and version; its prompt stream (same seed) skips every
 prompt already handed to training and every prompt still queued, so the prompts the dead
