@@ -169,7 +169,7 @@ class RolloutActor:
         assert self._run_task is not None and self._broken is not None, "start() first"
         await asyncio.wait({self._run_task, self._broken}, return_when=asyncio.FIRST_COMPLETED)
         if self._broken.done():
-            self._broken.result()  # raises the push's error
+            await self._broken  # done: raises the push's error at once
         return await asyncio.shield(self._run_task)
 
     async def update_weights(self, weights: dict[str, Any], version: int) -> None:

@@ -602,7 +602,7 @@ class _Session:
                     for replica, restart in list(restarting.items()):
                         if restart.done():
                             del restarting[replica]
-                            watched[replica] = restart.result()  # RunFailed past the limit
+                            watched[replica] = await restart  # done; RunFailed past the limit
                     if train_ref in done:
                         if train_ref.exception() is not None:
                             cause = train_ref.exception()
