@@ -1,4 +1,4 @@
-"""The Ray actors of a run: a rollouter (vLLM) per replica and one trainer.
+"""The Ray actors of a run: a rollouter (vLLM) per replica and one trainer actor per rank.
 
 Both are async actors: every Ray call inside them is awaited, CPU work (vLLM's engine core,
 the trainer's torch step) runs off their event loop, and an `EventLoopLagMonitor` on each loop
@@ -247,10 +247,19 @@ def _process_tree() -> list[int]:
 
 @ray.remote(max_concurrency=16, max_restarts=0)
 class TrainerActor:
-    """Runs `PPOTrainer` on batches from the queue and pushes weights to the rollouters."""
+    """One rank of the trainer: runs `PPOTrainer` on batches from the queue; rank 0 pushes
+    weights to the rollouters.
+
+    With `plan.world_size` N > 1 there is one actor per rank; they form a torch.distributed
+    group (`ppo_trainer.DataParallel`) at `rendezvous()`'s address (asked of rank 0), and
+    the driver makes every call that contains collectives (`setup`, `train`) on all of them
+    at once. Rank 0 alone reads the queue (it sends each step's groups to the others),
+    pushes weights, writes the checkpoint files and keeps metric records; ranks > 0 take
+    `queue=None` and no rollouters. With N = 1 nothing of torch.distributed is used.
+    """
 
     def __init__(self, plan: TrainerPlan, queue: Any, rollout_actors: list[Any]) -> None:
-        _capture_output(plan.log_dir, "trainer")
+        _capture_output(plan.log_dir, plan.log_name)
         _limit_threads(plan.cpu)
         import torch
 
@@ -263,8 +272,11 @@ class TrainerActor:
         self._stop_requested = False
         self._setup_lock = asyncio.Lock()
         self._source: Any = None  # train()'s QueueBatchSource
+        self._dp: Any = None  # ppo_trainer.DataParallel when world_size > 1
 
     def log(self, metrics: dict[str, Any], step: int) -> None:  # MetricsSink
+        if self._plan.rank != 0:
+            return  # rank 0's records are the run's (its metrics are all-reduced)
         # `trainer/wall_s`: seconds since training began (after the model load), so time to
         # a target reward compares sync and async runs on the same footing.
         wall_s = time.monotonic() - self._train_started if self._train_started else 0.0
@@ -273,18 +285,46 @@ class TrainerActor:
             extra["trainer/duplicates_dropped"] = float(self._source.duplicates)
         self._records.append((step, {**metrics, **extra}))
 
-    async def setup(self) -> float:
-        """Load the model (and the checkpoint of a resumed run) and build the trainer; returns
-        the seconds it took. Needs no engine, so the driver runs it while the engines start;
-        `train()` calls it if the driver did not."""
+    async def rendezvous(self) -> str:
+        """The torch.distributed address of the group (ask rank 0): `tcp://` this node's IP
+        and a port free on it now (rank 0 listens there in `setup`)."""
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = int(sock.getsockname()[1])
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    async def setup(self, init_method: str | None = None) -> float:
+        """Join the rank group at `init_method` (world_size > 1; every rank at once), load the
+        model (and the checkpoint of a resumed run) and build the trainer; returns the
+        seconds it took. Needs no engine, so the driver runs it while the engines start;
+        with one rank `train()` calls it if the driver did not."""
         async with self._setup_lock:
             if hasattr(self, "_trainer"):
                 return 0.0
+            if self._plan.world_size > 1 and init_method is None:
+                raise RuntimeError("a trainer of several ranks needs setup(init_method) first")
             t0 = time.monotonic()
-            await self._build_trainer()
+            await self._build_trainer(init_method)
             return time.monotonic() - t0
 
-    async def _build_trainer(self) -> None:
+    async def _join_group(self, init_method: str) -> Any:
+        """This rank's `DataParallel` (gloo on CPU, NCCL on GPU); blocks, in a thread, until
+        every rank has joined."""
+        from ppo_trainer import DataParallel
+
+        plan = self._plan
+        return await asyncio.to_thread(
+            DataParallel.init,
+            plan.rank,
+            plan.world_size,
+            init_method=init_method,
+            strategy=plan.dp_strategy,  # type: ignore[arg-type]
+            timeout_s=plan.dp_timeout_s,
+        )
+
+    async def _build_trainer(self, init_method: str | None = None) -> None:
         from mm_preprocess import EventLoopLagMonitor
         from ppo_trainer import PPOTrainer
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -304,14 +344,20 @@ class TrainerActor:
         else:
             model = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, plan.model_dir)
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, plan.model_dir)
-        self._sink = RolloutWeightSink(self._rollout_actors)
-        self._trainer = PPOTrainer(
+        if plan.world_size > 1:
+            assert init_method is not None
+            self._dp = await self._join_group(init_method)
+        self._sink = RolloutWeightSink(self._rollout_actors) if plan.rank == 0 else None
+        # In a thread: with several ranks the constructor broadcasts rank 0's weights.
+        self._trainer = await asyncio.to_thread(
+            PPOTrainer,
             model,
             plan.ppo,
             weight_sink=self._sink,
             metrics_sink=self,
             mm_inputs_fn=mm_inputs_fn,
             pad_token_id=tokenizer.pad_token_id or 0,
+            data_parallel=self._dp,
         )
         if self._stop_requested:  # stop() came while the model was loading
             self._trainer.stop()
@@ -319,25 +365,26 @@ class TrainerActor:
             await self._trainer.load_checkpoint(plan.resume_from)
 
     async def train(self) -> dict[str, Any]:
-        """Train to `steps` or until `stop()`; returns the summary and `checkpoint_step`: the
-        step of the checkpoint this call saved last (None if none).
+        """Train to `steps` or until `stop()`; returns the summary, this `rank` and
+        `checkpoint_step`: the step of the checkpoint this call saved last (None if none).
 
         A checkpoint is saved at the end (also after `stop()`) unless the last step already
-        wrote one or no step was taken, so the last checkpoint is always at the last step."""
+        wrote one or no step was taken, so the last checkpoint is always at the last step.
+        With several ranks: collective (call it on every rank at once); ranks > 0 follow
+        rank 0's steps and return when it ends."""
         from async_queue import QueueClosed
-        from ppo_trainer import export_weights
 
         from train_app.wiring import QueueBatchSource
 
         await self.setup()
         plan = self._plan
         if plan.resume_from:
-            # The engines started from the initial weights: give them the checkpoint's.
-            weights = await asyncio.to_thread(export_weights, self._trainer.model)
-            await self._sink.push_weights(weights, self._trainer.version)
-        source = QueueBatchSource(
-            self._queue, plan.ppo.max_staleness, taken=self._trainer.consumed_prompt_ids
-        )
+            await self._push_resumed_weights()
+        source = None
+        if plan.rank == 0:
+            source = QueueBatchSource(
+                self._queue, plan.ppo.max_staleness, taken=self._trainer.consumed_prompt_ids
+            )
         self._source = source
         self._train_started = time.monotonic()
         start_step = self._trainer.step
@@ -350,19 +397,40 @@ class TrainerActor:
             await self._save_final(Path(plan.run_dir) / "checkpoints")
             checkpoint_step = step
         await self._lag.stop()
-        return {**summary.as_dict(), "checkpoint_step": checkpoint_step}
+        return {**summary.as_dict(), "checkpoint_step": checkpoint_step, "rank": plan.rank}
+
+    async def _push_resumed_weights(self) -> None:
+        """The engines started from the initial weights: give them the checkpoint's. With
+        several ranks gathering the weights is collective; rank 0 pushes them."""
+        from ppo_trainer import export_weights
+
+        model = self._trainer.model
+        if self._dp is not None:
+            weights = await asyncio.to_thread(self._dp.full_state_dict, model)
+        else:
+            weights = await asyncio.to_thread(export_weights, model)
+        if self._sink is not None:
+            await self._sink.push_weights(weights, self._trainer.version)
 
     async def _save_final(self, checkpoints: Path) -> None:
         from ppo_trainer.checkpoint import update_latest
 
+        # Collective with several ranks; rank 0 wrote the files and moves `latest`.
         path = await self._trainer.save_checkpoint(checkpoints / f"step_{self._trainer.step:06d}")
-        await asyncio.to_thread(update_latest, path, self._trainer.config.keep_checkpoints)
+        if self._plan.rank == 0:
+            await asyncio.to_thread(update_latest, path, self._trainer.config.keep_checkpoints)
 
-    async def drain_metrics(self) -> list[tuple[int, dict[str, Any]]]:
-        """New per-step records since the last call, with this loop's lag added."""
-        records, self._records = self._records, []
+    async def drain_metrics(
+        self, written_step: int | None = None
+    ) -> list[tuple[int, dict[str, Any]]]:
+        """Per-step records after `written_step` (the last step the driver has written; its
+        records and those before are dropped here), with this loop's lag added. A record is
+        kept until the driver says it was written: a reply lost to the driver's timeout
+        (a loaded machine) is sent again, so no step's row goes missing."""
+        if written_step is not None:
+            self._records = [(step, m) for step, m in self._records if step > written_step]
         lag = self._lag.metrics(prefix="event_loop/trainer") if hasattr(self, "_lag") else {}
-        return [(step, {**m, **lag}) for step, m in records]
+        return [(step, {**m, **lag}) for step, m in self._records]
 
     async def pids(self) -> list[int]:
         return _process_tree()
@@ -392,7 +460,8 @@ class TrainerActor:
 
     async def stop(self) -> None:
         """Graceful stop: the step in progress finishes, then `train()` checkpoints and
-        returns. Also works before `train()` has built its trainer."""
+        returns. Also works before `train()` has built its trainer. With several ranks, ask
+        rank 0: the others follow it."""
         self._stop_requested = True
         if hasattr(self, "_trainer"):
             self._trainer.stop()

@@ -106,6 +106,12 @@ class TrainConfig:
     ppo_epochs: int = 2
     """Optimisation passes over each batch."""
 
+    trainer_workers: int = 1
+    """Data-parallel trainer ranks, one Ray actor each (torch.distributed; the app's trainer
+    runs on CPU, so gloo and DDP). Each rank trains on a group-aligned shard of every batch
+    with global loss denominators, so N ranks compute the update of one; rank 0 reads the
+    queue, pushes weights and writes checkpoints. 1: one process, no torch.distributed."""
+
     advantage: Literal["grpo", "rloo", "gae"] = "grpo"
     """Advantage estimator: `grpo` (group mean and std), `rloo` (leave-one-out group mean) or
     `gae` (a value head on the policy trunk, trained with a clipped value loss; GAE over the
@@ -160,6 +166,8 @@ class TrainConfig:
             raise ValueError("--max-staleness must be >= 0")
         if self.max_rollout_restarts < 0:
             raise ValueError("--max-rollout-restarts must be >= 0")
+        if self.trainer_workers < 1:
+            raise ValueError("--trainer-workers must be at least 1")
         if self.rollout_replicas > self.batch_size:
             raise ValueError(
                 f"--rollout-replicas {self.rollout_replicas} is more than --batch-size "

@@ -13,11 +13,17 @@ to `batch_size` (the remainder goes to the first replicas). Each replica's admis
 is `(k + 1 + v) * shares[i] - ...`, so the replicas together admit exactly
 `(k + 1 + v) * batch_size`: the trainer is never short of a batch (a lost remainder made
 `--rollout-replicas 3 --batch-size 16` stall) and never runs more than k versions ahead.
+
+The trainer's ranks. `--trainer-workers N` gives N `TrainerPlan`s (`RunPlan.trainer_ranks`),
+equal but for `rank` and `cpu`; rank 0 reads the queue, pushes weights and writes
+checkpoints, and with N > 1 every rank joins one torch.distributed group whose address rank 0
+chooses at run time (its node's IP and a free port: only the running cluster knows where
+rank 0 landed). N = 1 is the one-process trainer, without torch.distributed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,8 @@ from rollout_engine.vllm_engine import VLLMEngineConfig
 from train_app.config import TrainConfig
 
 __all__ = [
+    "DP_STRATEGY",
+    "DP_TIMEOUT_S",
     "MAX_MODEL_LEN_CAP",
     "ReplicaPlan",
     "ResumePoint",
@@ -49,6 +57,13 @@ MIN_ENGINE_SEQS = 64
 QUEUE_SPARE_BATCHES = 1
 # Keep the last checkpoints on disk (older ones are deleted when a new one is written).
 KEEP_CHECKPOINTS = 2
+# Data-parallel strategy of a trainer of N > 1 ranks: `auto` is DDP on gloo (CPU ranks share
+# the host's RAM, so sharding saves nothing, and FSDP2 would add collectives per layer) and
+# FSDP2 on NCCL (GPU); see packages/ppo-trainer/README.md, "Data parallel".
+DP_STRATEGY = "auto"
+# Seconds a rank waits in torch.distributed (the rendezvous, any collective) before failing;
+# the driver sees a dead rank at once and ends the run, so this is only a backstop.
+DP_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -93,7 +108,7 @@ class ReplicaPlan:
 
 @dataclass(frozen=True)
 class TrainerPlan:
-    """Everything the trainer actor needs."""
+    """Everything one trainer rank's actor needs."""
 
     model_dir: str
     run_dir: str
@@ -103,6 +118,19 @@ class TrainerPlan:
     resume_from: str | None
     cpu: int | None
     log_dir: str | None
+    rank: int = 0
+    """This rank (0: reads the queue, pushes weights, writes checkpoints)."""
+    world_size: int = 1
+    """Trainer ranks (`--trainer-workers`); 1: no torch.distributed."""
+    dp_strategy: str = DP_STRATEGY
+    """`DataParallel` strategy with world_size > 1: auto, ddp or fsdp2."""
+    dp_timeout_s: float = DP_TIMEOUT_S
+    """torch.distributed timeout of the rendezvous and of every collective."""
+
+    @property
+    def log_name(self) -> str:
+        """Name of this rank's log file in `log_dir`: trainer.log, trainer1.log, ..."""
+        return "trainer" if self.rank == 0 else f"trainer{self.rank}"
 
 
 @dataclass(frozen=True)
@@ -113,9 +141,22 @@ class RunPlan:
     replicas: tuple[ReplicaPlan, ...]
     trainer: TrainerPlan
     ray_num_cpus: int
-    """CPUs of a local Ray cluster: one per rollout actor and one for the trainer."""
+    """CPUs of a local Ray cluster: one per rollout actor and one per trainer rank."""
     steps: int
     resume: ResumePoint = field(default_factory=ResumePoint)
+
+    @property
+    def trainer_ranks(self) -> tuple[TrainerPlan, ...]:
+        """One plan per trainer rank: `trainer` (rank 0) with its rank and core (ranks are
+        pinned to consecutive cores when rank 0 is pinned)."""
+        return tuple(
+            replace(
+                self.trainer,
+                rank=rank,
+                cpu=None if self.trainer.cpu is None else self.trainer.cpu + rank,
+            )
+            for rank in range(self.trainer.world_size)
+        )
 
 
 def split_batch(batch_size: int, replicas: int) -> list[int]:
@@ -133,8 +174,8 @@ def split_batch(batch_size: int, replicas: int) -> list[int]:
 
 
 def ray_num_cpus(config: TrainConfig) -> int:
-    """CPUs of a local Ray cluster: one per rollout actor and one for the trainer."""
-    return max(2, config.rollout_replicas + 1)
+    """CPUs of a local Ray cluster: one per rollout actor and one per trainer rank."""
+    return max(2, config.rollout_replicas + config.trainer_workers)
 
 
 def queue_maxsize(config: TrainConfig) -> int:
@@ -157,14 +198,19 @@ def plan(
 
     `model_dir`, `max_position_embeddings` and `eos_token_id` describe the model (read from
     its files by the caller), `resume` the checkpoint to continue from, `cpu_count` the
-    machine (with exactly one replica on a local machine of 2+ cores, the engine is pinned to
-    core 0 and the trainer to core 1). `capture_logs=False` (`--verbose`) leaves every
-    actor's output on the terminal instead of `run_dir/logs/`."""
+    machine (with exactly one replica on a local machine with a core for every actor, the
+    engine is pinned to core 0 and trainer rank r to core 1 + r; otherwise nothing is
+    pinned). `capture_logs=False` (`--verbose`) leaves every actor's output on the terminal
+    instead of `run_dir/logs/`."""
     config.validate()
     resume = resume or ResumePoint()
     k = config.effective_staleness
     shares = split_batch(config.batch_size, config.rollout_replicas)
-    pin = config.rollout_replicas == 1 and cpu_count >= 2 and not config.ray_address
+    pin = (
+        config.rollout_replicas == 1
+        and cpu_count >= 1 + config.trainer_workers
+        and not config.ray_address
+    )
     run_dir = Path(run_dir)
     log_dir = str(run_dir / "logs") if capture_logs else None
     sampling = SamplingConfig(
@@ -233,6 +279,7 @@ def plan(
         resume_from=resume.checkpoint,
         cpu=1 if pin else None,
         log_dir=log_dir,
+        world_size=config.trainer_workers,
     )
     return RunPlan(
         queue_maxsize=queue_maxsize(config),

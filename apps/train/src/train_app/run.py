@@ -9,8 +9,8 @@ replica had in flight are admitted again and none twice (the trainer's source al
 second group of a prompt, `trainer/duplicates_dropped`). Restarts are counted
 (`rollout/restarts`); past `--max-rollout-restarts` the driver fails the queue with the cause,
 so the trainer's next read raises `ProducerFailed` and the run exits non-zero within seconds.
-If the trainer or the queue dies, its error ends the run the same way (`--resume` continues
-from the last checkpoint).
+If the trainer (any of its ranks: `--trainer-workers`) or the queue dies, its error ends the
+run the same way (`--resume` continues from the last checkpoint).
 
 Stopping (SIGINT / Ctrl-C and SIGTERM alike; the driver installs its own handlers, whatever
 disposition it inherited, and replaces the SIGTERM handler `ray.init` puts in place, which
@@ -54,10 +54,13 @@ from train_app.replica_metrics import aggregate_replica_metrics
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RAY_SUBREAPER", "RunFailed", "RunInterrupted", "RunResult", "run"]
+__all__ = ["RAY_SUBREAPER", "RunFailed", "RunInterrupted", "RunResult", "TrainerRankFailed", "run"]
 
 # How often the driver polls metrics and actor health.
 POLL_S = 0.5
+# After one trainer rank fails, how long the driver waits for the others' errors (a dead
+# rank breaks their collectives within a moment) so that the failure names them all.
+RANK_FAILURE_GRACE_S = 2.0
 # Environment of every actor process: in-process vLLM engine core, no hub access.
 WORKER_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -78,6 +81,10 @@ RAY_SUBREAPER = {"RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper"
 
 class RunFailed(RuntimeError):
     """An actor of the run failed; the message carries the cause."""
+
+
+class TrainerRankFailed(RuntimeError):
+    """One rank of a trainer of several failed (the message names it); `__cause__` is why."""
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -168,6 +175,8 @@ def run(
 def _startup_line(config: TrainConfig, run_dir: Path) -> str:
     replicas = config.rollout_replicas
     engines = f"{replicas} vLLM engine{'s' if replicas > 1 else ''}"
+    if config.trainer_workers > 1:
+        engines += f", {config.trainer_workers} trainer ranks"
     logs = "logs on the terminal" if config.verbose else f"logs in {run_dir / 'logs'}"
     return f"[bold]{run_dir.name}[/]: {config.task}, {config.mode}, {engines}; {logs}"
 
@@ -472,13 +481,14 @@ class _Session:
         self.config, self.plan, self.console, self.stopper = config, run_plan, console, stopper
         self.run_dir = Path(run_plan.trainer.run_dir)
         self.rollouts: list[Any] = []
-        self.trainer: Any = None
+        self.trainers: list[Any] = []  # one actor per rank
+        self.trainer: Any = None  # rank 0: reads the queue, pushes weights, keeps metrics
         self.queue: Any = None
         self.writer: MetricsWriter | None = None
         self.records: list[dict[str, Any]] = []
+        self._kept_records = 0
         self.rollout_metrics: dict[str, Any] = {}
         self.rollout_restarts = 0
-        self._drain: asyncio.Future | None = None  # a trainer.drain_metrics reply pending
         self._starting: list[Any] = []  # replacement rollouters not yet in `rollouts`
         # Seconds of each start-up phase (summary.json's `startup`): prepare (model, plan)
         # and ray (start or join) side by side, prepare_and_ray (both); actors (engines and
@@ -492,14 +502,16 @@ class _Session:
         # A resumed run continues from its checkpoint's step: history after it is rewound.
         self.writer = MetricsWriter(self.run_dir, resume_step=self.plan.resume.step)
         self.records = list(self.writer.kept)
+        self._kept_records = len(self.records)  # rows of a resumed run's earlier steps
         self.queue = _create_queue(self.plan)
         self.rollouts = _create_rollouters(self.plan, self.queue)
-        self.trainer = _create_trainer(self.plan, self.queue, self.rollouts)
+        self.trainers = _create_trainers(self.plan, self.queue, self.rollouts)
+        self.trainer = self.trainers[0]
         await self._start_actors()
         train_started = time.monotonic()
         trainer_summary = await self._train()
         train_s = time.monotonic() - train_started
-        await self._collect_metrics(drain_s=60)  # the last rows: worth a longer wait
+        await self._collect_metrics()
         await self._write_failures()
         before = self.timings.get("prepare_and_ray_s", 0.0)
         self.timings["to_training_s"] = before + train_started - t0
@@ -512,13 +524,22 @@ class _Session:
         with self.console.status("starting vLLM (tens of seconds on CPU)..."):
             engines, trainer_load_s = await asyncio.gather(
                 asyncio.gather(*(_await(r.start.remote()) for r in self.rollouts)),
-                _await(self.trainer.setup.remote()),
+                self._setup_trainers(),
             )
         self.timings.update(
             actors_s=time.monotonic() - t0, engine_s=max(engines), trainer_load_s=trainer_load_s
         )
         logger.info("actors up in %.1f s (engines %s s)", self.timings["actors_s"], engines)
         await self._write_pids()
+
+    async def _setup_trainers(self) -> float:
+        """Every trainer rank joins the group at rank 0's address (several ranks) and loads
+        the model, all at once; returns the slowest rank's seconds."""
+        init_method = None
+        if len(self.trainers) > 1:
+            init_method = await _await(self.trainer.rendezvous.remote())
+        loads = await asyncio.gather(*(_await(t.setup.remote(init_method)) for t in self.trainers))
+        return max(loads)
 
     async def _write_pids(self) -> None:
         """actors.json: the process ids of the driver and of every live actor, the queue's
@@ -532,12 +553,13 @@ class _Session:
             known[i] if isinstance(p, BaseException) else p for i, p in enumerate(replies)
         ]
         self._rollout_pids = rollout_pids
-        trainer_pids = await _await(self.trainer.pids.remote())
+        trainer_pids = await asyncio.gather(*(_await(t.pids.remote()) for t in self.trainers))
         pids = {
             "driver": os.getpid(),
             "rollout": [p[0] for p in rollout_pids if p],
             "engine": [pid for p in rollout_pids for pid in p[1:]],
-            "trainer": trainer_pids[0],
+            "trainer": trainer_pids[0][0],
+            "trainer_ranks": [p[0] for p in trainer_pids],
             "queue": (await self.queue.actor_memory())["pid"],
         }
         path = self.run_dir / "actors.json"
@@ -547,7 +569,7 @@ class _Session:
     async def _train(self) -> dict[str, Any]:
         """Train while watching every actor; returns the trainer's summary."""
         started = time.monotonic()
-        train_ref = asyncio.ensure_future(_await(self.trainer.train.remote()))
+        train_ref = asyncio.ensure_future(self._train_ranks())
         # Its error after another failure ended the run (the queue failed under it) is no news.
         train_ref.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.stopper.graceful = self._stop_training
@@ -565,9 +587,30 @@ class _Session:
             )
         return summary
 
+    async def _train_ranks(self) -> dict[str, Any]:
+        """`train()` on every trainer rank at once (it is collective); rank 0's summary, with
+        `rank_steps`: each rank's steps. A failed rank fails it, with every rank's error (a
+        dead rank makes the others' collectives fail too, so all are named)."""
+        refs = [asyncio.ensure_future(_await(t.train.remote())) for t in self.trainers]
+        for ref in refs:  # errors read after the run ended (killed actors) are not news
+            ref.add_done_callback(lambda f: f.cancelled() or f.exception())
+        _, pending = await asyncio.wait(refs, return_when=asyncio.FIRST_EXCEPTION)
+        if len(refs) == 1 and refs[0].exception() is not None:
+            raise refs[0].exception()  # type: ignore[misc]
+        if pending:  # one failed: give the others a moment to report theirs
+            await asyncio.wait(pending, timeout=RANK_FAILURE_GRACE_S)
+        failed = [(r, f.exception()) for r, f in enumerate(refs) if f.done() and f.exception()]
+        if failed:
+            failed.sort(key=lambda f: not _actor_died(f[1]))  # the dead rank is the cause
+            causes = "; ".join(f"rank {r} of {len(refs)}: {_brief(exc)}" for r, exc in failed)
+            raise TrainerRankFailed(causes) from failed[0][1]
+        summaries = [await ref for ref in refs]  # all done: returns at once
+        return {**summaries[0], "rank_steps": [s["steps"] for s in summaries]}
+
     def _stop_training(self) -> bool:
         """First SIGINT/SIGTERM while training: the trainer finishes its step, checkpoints
-        and returns (see TrainerActor.stop); `_watch` then sees `train` end."""
+        and returns (see TrainerActor.stop; rank 0 releases the others); `_watch` then sees
+        `train` end."""
         self.trainer.stop.remote()  # fire and forget: train()'s end is the answer
         return True
 
@@ -672,7 +715,7 @@ class _Session:
             ref.add_done_callback(lambda f: f.cancelled() or f.exception())
             return ref
 
-    async def _collect_metrics(self, drain_s: float = 5) -> None:
+    async def _collect_metrics(self) -> None:
         """Rollout metrics of every replica (aggregated), the queue's, and the trainer's new
         per-step records; one row per trainer step goes to the writer."""
         if self.trainer is None:
@@ -687,19 +730,12 @@ class _Session:
             queue_metrics = (await asyncio.wait_for(self.queue.stats(), 5)).as_metrics()
         except Exception:
             queue_metrics = {}
-        # drain_metrics hands its rows over once: a reply later than the wait (a starved
-        # trainer, e.g. while a replacement engine starts) is awaited at the next poll, not
-        # dropped with its rows.
-        if self._drain is None:
-            self._drain = asyncio.ensure_future(_await(self.trainer.drain_metrics.remote()))
+        written = self.records[-1]["step"] if len(self.records) > self._kept_records else None
         try:
-            records = await asyncio.wait_for(asyncio.shield(self._drain), drain_s)
-            self._drain = None
-        except TimeoutError:
-            records = []
+            drain = self.trainer.drain_metrics.remote(written)
+            records = await asyncio.wait_for(_await(drain), 5)
         except Exception:
-            self._drain = None
-            records = []
+            records = []  # sent again next time (kept by the trainer until written)
         assert self.writer is not None
         for step, metrics in records:
             record = {**self.rollout_metrics, **queue_metrics, **metrics}
@@ -753,6 +789,7 @@ class _Session:
             summary["interrupted_by"] = signal.Signals(self.stopper.signum).name
             summary["checkpoint_step"] = trainer_summary.get("checkpoint_step")
         full = {**summary, "startup": {k: round(v, 2) for k, v in self.timings.items()}}
+        full["trainer_rank_steps"] = trainer_summary.get("rank_steps", [])
         (self.run_dir / "summary.json").write_text(json.dumps(full, indent=2))
         print_summary(summary, self.console)
         return RunResult(self.run_dir, full)
@@ -773,7 +810,7 @@ class _Session:
         actors = [
             *self.rollouts,
             *self._starting,
-            self.trainer,
+            *self.trainers,
             getattr(self.queue, "handle", None),
         ]
         for actor in actors:
@@ -798,11 +835,17 @@ def _create_rollouters(run_plan: RunPlan, queue: Any) -> list[Any]:
     return [RolloutActor.options(num_cpus=1).remote(r, queue) for r in run_plan.replicas]
 
 
-def _create_trainer(run_plan: RunPlan, queue: Any, rollouts: list[Any]) -> Any:
-    """The trainer actor (one CPU); it pushes weights to every rollouter."""
+def _create_trainers(run_plan: RunPlan, queue: Any, rollouts: list[Any]) -> list[Any]:
+    """One trainer actor per rank (one CPU each); rank 0 reads the queue and pushes weights
+    to every rollouter, the others get neither."""
     from train_app.actors import TrainerActor
 
-    return TrainerActor.options(num_cpus=1).remote(run_plan.trainer, queue, rollouts)
+    return [
+        TrainerActor.options(num_cpus=1).remote(
+            rank_plan, *((queue, rollouts) if rank_plan.rank == 0 else (None, []))
+        )
+        for rank_plan in run_plan.trainer_ranks
+    ]
 
 
 def _resume_point(config: TrainConfig, run_dir: Path) -> ResumePoint:
@@ -822,6 +865,22 @@ def _resume_point(config: TrainConfig, run_dir: Path) -> ResumePoint:
         )
     prompts = frozenset(meta.consumed_prompt_ids)
     return ResumePoint(str(checkpoint.resolve()), meta.step, meta.version, prompts)
+
+
+def _actor_died(exc: BaseException | None) -> bool:
+    from ray.exceptions import ActorDiedError
+
+    return isinstance(exc, ActorDiedError)
+
+
+def _brief(exc: BaseException) -> str:
+    """One line of an actor's error: the exception a Ray task raised (not Ray's traceback)."""
+    from ray.exceptions import RayTaskError
+
+    if isinstance(exc, RayTaskError) and exc.cause is not None:
+        exc = exc.cause
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 async def _await(ref: Any) -> Any:
