@@ -93,6 +93,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         runtime_env={"env_vars": env},
         _temp_dir=os.environ.get("RAY_TMPDIR", "/tmp/ray"),
     )
+    # With the subreaper flag Ray ignores SIGCHLD in this process, and then every Popen's
+    # exit status reads 0: restore the default (the raylet still reaps orphans).
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

@@ -450,12 +450,21 @@ def _start_local_ray(num_cpus: int, options: dict[str, Any], attempts: int = 3) 
     for attempt in range(1, attempts + 1):
         try:
             ray.init(num_cpus=num_cpus, include_dashboard=False, **options)
+            _default_sigchld()
             return
         except Exception as exc:
             if "timed out during startup" not in str(exc) or attempt == attempts:
                 raise
             logger.warning("Ray did not start (%s); retrying (%d/%d)", exc, attempt, attempts)
             ray.shutdown()
+
+
+def _default_sigchld() -> None:
+    """With the subreaper flag Ray's core worker ignores SIGCHLD in this process too, which
+    makes every `subprocess` exit status here read 0: restore the default (the raylet keeps
+    reaping orphans). Main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
 
 def _link_ray_logs(logs: Path) -> None:
