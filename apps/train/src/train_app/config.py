@@ -76,6 +76,11 @@ class TrainConfig:
     rollout_replicas: int = 1
     """Rollouter actors, one vLLM engine each."""
 
+    max_rollout_restarts: int = 3
+    """Restarts of dead rollouters (all replicas together) before the run fails with the
+    cause; a restarted replica loads the trainer's latest weights and re-admits the prompts
+    its predecessor had in flight (0: the first death fails the run)."""
+
     max_concurrency: int = 16
     """Groups in flight per rollouter."""
 
@@ -168,6 +173,8 @@ class TrainConfig:
                 raise ValueError(f"--{field.replace('_', '-')} must be at least 1")
         if self.max_staleness < 0:
             raise ValueError("--max-staleness must be >= 0")
+        if self.max_rollout_restarts < 0:
+            raise ValueError("--max-rollout-restarts must be >= 0")
         if self.trainer_workers < 1:
             raise ValueError("--trainer-workers must be at least 1")
         if self.rollout_replicas > self.batch_size:

@@ -1,9 +1,16 @@
 """The driver of a run: starts Ray and the actors, watches them, writes the outputs.
 
-Failure handling: if a rollouter dies, the driver fails the queue with the cause, so the
-trainer's next read raises `ProducerFailed` and the run exits non-zero within seconds; if the
-trainer (any of its ranks: `--trainer-workers`) or the queue dies, its error ends the run the
-same way.
+Failure handling: if a rollouter dies (its actor, or its engine: the rollout loop fails, or
+a weight push into it does, which fails its `wait()`), the driver restarts it
+(`_Session._restart_rollouter`): a new `RolloutActor` with the same `ReplicaPlan`, started
+from the trainer's last pushed weights and version; its prompt stream (same seed) skips every
+prompt already handed to training and every prompt still queued, so the prompts the dead
+replica had in flight are admitted again and none twice (the trainer's source also drops a
+second group of a prompt, `trainer/duplicates_dropped`). Restarts are counted
+(`rollout/restarts`); past `--max-rollout-restarts` the driver fails the queue with the cause,
+so the trainer's next read raises `ProducerFailed` and the run exits non-zero within seconds.
+If the trainer (any of its ranks: `--trainer-workers`) or the queue dies, its error ends the
+run the same way (`--resume` continues from the last checkpoint).
 
 Stopping (SIGINT / Ctrl-C and SIGTERM alike; the driver installs its own handlers, whatever
 disposition it inherited, and replaces the SIGTERM handler `ray.init` puts in place, which
@@ -41,7 +48,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from train_app.config import TrainConfig, to_toml
-from train_app.inflight import load_inflight
+from train_app.inflight import load_inflight, without_prompts
 from train_app.outputs import MetricsWriter, plot_run, print_summary
 from train_app.plan import (
     MAX_MODEL_LEN_CAP,
@@ -55,7 +62,7 @@ from train_app.replica_metrics import aggregate_replica_metrics
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunFailed", "RunInterrupted", "RunResult", "TrainerRankFailed", "run"]
+__all__ = ["RAY_SUBREAPER", "RunFailed", "RunInterrupted", "RunResult", "TrainerRankFailed", "run"]
 
 # How often the driver polls metrics and actor health.
 POLL_S = 0.5
@@ -76,6 +83,11 @@ WORKER_ENV = {
     "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
     "VLLM_LOGGING_LEVEL": "WARNING",
 }
+
+
+# The raylet of a local cluster adopts and kills orphaned processes of dead workers (a
+# SIGKILLed rollouter's vLLM engine core); see `_start_local_ray`.
+RAY_SUBREAPER = {"RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper": "true"}
 
 
 class RunFailed(RuntimeError):
@@ -437,12 +449,20 @@ def _start_ray(config: TrainConfig, logs: Path) -> bool:
 
 def _start_local_ray(num_cpus: int, options: dict[str, Any], attempts: int = 3) -> None:
     """Start a local cluster; retried because Ray's raylet gives its metrics agent a fixed
-    15 s to start, which a heavily loaded 2-core machine can miss."""
+    15 s to start, which a heavily loaded 2-core machine can miss.
+
+    The raylet is made a subreaper (`RAY_SUBREAPER`): a rollouter killed with SIGKILL leaves
+    vLLM's engine core orphaned (measured: it outlives its parent), and the raylet then
+    kills it within ~10 s instead of it running on. A cluster joined with `--ray-address`
+    needs the same variable where it is started."""
     import ray
+
+    os.environ.update({k: v for k, v in RAY_SUBREAPER.items() if k not in os.environ})
 
     for attempt in range(1, attempts + 1):
         try:
             ray.init(num_cpus=num_cpus, include_dashboard=False, **options)
+            _default_sigchld()
             return
         except Exception as exc:
             if "timed out during startup" not in str(exc) or attempt == attempts:
@@ -471,6 +491,14 @@ def _warn_unplaceable(run_plan: RunPlan) -> None:
                     amount,
                     have.get(name, 0.0),
                 )
+
+
+def _default_sigchld() -> None:
+    """With the subreaper flag Ray's core worker ignores SIGCHLD in this process too, which
+    makes every `subprocess` exit status here read 0: restore the default (the raylet keeps
+    reaping orphans). Main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
 
 def _link_ray_logs(logs: Path) -> None:
@@ -504,6 +532,8 @@ class _Session:
         self._kept_records = 0
         self.rollout_metrics: dict[str, Any] = {}
         self.groups: dict[str, Any] = {}  # summary.json's `groups` (see _account_groups)
+        self.rollout_restarts = 0
+        self._starting: list[Any] = []  # replacement rollouters not yet in `rollouts`
         # Seconds of each start-up phase (summary.json's `startup`): prepare (model, plan)
         # and ray (start or join) side by side, prepare_and_ray (both); actors (engines and
         # the trainer's model load side by side; engine and trainer_load are each one's
@@ -557,17 +587,30 @@ class _Session:
         return max(loads)
 
     async def _write_pids(self) -> None:
-        rollout_pids = await asyncio.gather(*(_await(r.pids.remote()) for r in self.rollouts))
+        """actors.json: the process ids of the driver and of every live actor, the queue's
+        included (rewritten atomically after a rollouter restart; a dead replica's entry is
+        its last known)."""
+        replies = await asyncio.gather(
+            *(_await(r.pids.remote()) for r in self.rollouts), return_exceptions=True
+        )
+        known = getattr(self, "_rollout_pids", [[] for _ in self.rollouts])
+        rollout_pids = [
+            known[i] if isinstance(p, BaseException) else p for i, p in enumerate(replies)
+        ]
+        self._rollout_pids = rollout_pids
         trainer_pids = await asyncio.gather(*(_await(t.pids.remote()) for t in self.trainers))
         pids = {
             "driver": os.getpid(),
-            "rollout": [p[0] for p in rollout_pids],
+            "rollout": [p[0] for p in rollout_pids if p],
             "engine": [pid for p in rollout_pids for pid in p[1:]],
             "trainer": trainer_pids[0][0],
             "trainer_ranks": [p[0] for p in trainer_pids],
             "nodes": await self._node_ids(),
+            "queue": (await self.queue.actor_memory())["pid"],
         }
-        (self.run_dir / "actors.json").write_text(json.dumps(pids))
+        path = self.run_dir / "actors.json"
+        path.with_suffix(".tmp").write_text(json.dumps(pids))
+        path.with_suffix(".tmp").replace(path)
 
     async def _node_ids(self) -> dict[str, Any]:
         """The Ray node of each actor (hex ids): where `--rollout-resources` and
@@ -633,6 +676,8 @@ class _Session:
         """Train while watching every actor; returns the trainer's summary."""
         started = time.monotonic()
         train_ref = asyncio.ensure_future(self._train_ranks())
+        # Its error after another failure ended the run (the queue failed under it) is no news.
+        train_ref.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.stopper.graceful = self._stop_training
         rollout_refs = [asyncio.ensure_future(_await(r.wait.remote())) for r in self.rollouts]
         for ref in rollout_refs:  # their end after a clean stop is not news
@@ -678,28 +723,107 @@ class _Session:
     async def _watch(
         self, train_ref: asyncio.Future, rollout_refs: list[asyncio.Future], started: float
     ) -> Any:
-        """Poll metrics and actor health until the trainer returns; a failed actor ends the
-        run with its cause (a dead producer first fails the queue, so the trainer stops)."""
+        """Poll metrics and actor health until the trainer returns. A dead rollouter is
+        restarted in the background while training goes on (`_restart_rollouter`); any other
+        failed actor, or a rollouter past `--max-rollout-restarts`, ends the run with its
+        cause (a dead producer first fails the queue, so the trainer stops)."""
         first = len(self.records)
-        with _progress(self.console, self.config.progress) as progress:
-            bar = progress.add_task("training", total=self.plan.steps, info="")
-            while True:
-                done, _ = await asyncio.wait({train_ref, *rollout_refs}, timeout=POLL_S)
-                await self._collect_metrics()
-                if len(self.records) > first and "first_step_s" not in self.timings:
-                    self.timings["first_step_s"] = time.monotonic() - started
-                    self.timings["first_push_s"] = self.records[first].get("weights/sync_s", 0)
-                progress.update(bar, completed=len(self.records), info=self._progress_info())
-                for replica, ref in enumerate(rollout_refs):
-                    if ref in done and ref.exception() is not None:
-                        cause = ref.exception()
-                        await _quietly(self.queue.close(error=f"rollouter failed: {cause}"))
-                        raise RunFailed(f"rollouter {replica} failed: {cause}") from cause
-                if train_ref in done:
-                    if train_ref.exception() is not None:
-                        cause = train_ref.exception()
-                        raise RunFailed(f"trainer failed: {cause}") from cause
-                    return await train_ref  # already done
+        watched: list[asyncio.Future | None] = list(rollout_refs)
+        restarting: dict[int, asyncio.Future] = {}
+        try:
+            with _progress(self.console, self.config.progress) as progress:
+                bar = progress.add_task("training", total=self.plan.steps, info="")
+                while True:
+                    waiting = {train_ref, *restarting.values(), *(r for r in watched if r)}
+                    done, _ = await asyncio.wait(waiting, timeout=POLL_S)
+                    await self._collect_metrics()
+                    if len(self.records) > first and "first_step_s" not in self.timings:
+                        self.timings["first_step_s"] = time.monotonic() - started
+                        self.timings["first_push_s"] = self.records[first].get("weights/sync_s", 0)
+                    info = self._progress_info()
+                    progress.update(bar, completed=len(self.records), info=info)
+                    for replica, ref in enumerate(watched):
+                        if ref is not None and ref in done and _failure(ref) is not None:
+                            watched[replica] = None
+                            restarting[replica] = asyncio.ensure_future(
+                                self._restart_rollouter(replica, _failure(ref))
+                            )
+                    for replica, restart in list(restarting.items()):
+                        if restart.done():
+                            del restarting[replica]
+                            watched[replica] = await restart  # done; RunFailed past the limit
+                    if train_ref in done:
+                        if train_ref.exception() is not None:
+                            cause = train_ref.exception()
+                            raise RunFailed(f"trainer failed: {cause}") from cause
+                        return await train_ref  # already done
+        finally:
+            for restart in restarting.values():
+                restart.cancel()
+
+    async def _restart_rollouter(self, replica: int, cause: BaseException) -> asyncio.Future:
+        """Replace dead replica `replica`; returns the new actor's `wait()` future.
+
+        The replacement has the same `ReplicaPlan` (same prompt seed) except that its stream
+        skips every prompt id already handed to training (`TrainerActor.rollout_handoff`) or
+        still queued (the queue's item ids are prompt ids): what remains of the dead
+        replica's admitted prompts, those it had in flight, are admitted again. It loads the
+        trainer's last pushed weights before it is built, is attached to the trainer's weight
+        pushes (bringing it up to date), then starts generating. A replacement that fails to
+        start counts as another restart. Past `--max-rollout-restarts` the queue is failed
+        with the cause and `RunFailed` raised."""
+        import ray
+
+        from train_app.actors import RolloutActor
+
+        while True:
+            self.rollout_restarts += 1
+            limit = self.config.max_rollout_restarts
+            if self.rollout_restarts > limit:
+                await _quietly(self.queue.close(error=f"rollouter failed: {cause}"))
+                after = f" (after {limit} restart{'s' * (limit != 1)})" if limit else ""
+                raise RunFailed(f"rollouter {replica} failed{after}: {cause}") from cause
+            logger.warning("rollouter %d failed (%s); restarting it", replica, cause)
+            self.console.print(
+                f"[bold yellow]rollouter {replica} failed:[/] {_first_line(cause)}; restarting "
+                f"it ({self.rollout_restarts}/{limit})"
+            )
+            with contextlib.suppress(Exception):  # an engine failure leaves the actor alive
+                ray.kill(self.rollouts[replica])
+            actor = None
+            try:
+                queued = await self.queue.item_ids()  # before `taken`: an item moves on
+                handoff = await _await(self.trainer.rollout_handoff.remote())
+                base = self.plan.replicas[replica]
+                skip = base.consumed_prompt_ids | frozenset(handoff["taken"]) | frozenset(queued)
+                # Restored partials (a resumed run) its predecessor had not delivered are
+                # continued again; the rest are in training or the queue already.
+                restore = without_prompts(base.restore, skip - base.consumed_prompt_ids)
+                replica_plan = replace(base, consumed_prompt_ids=skip, restore=restore)
+                options = actor_options(replica_plan.resources)
+                actor = RolloutActor.options(**options).remote(replica_plan, self.queue)
+                self._starting.append(actor)
+                weights, version = handoff["weights"], handoff["version"]
+                t0 = time.monotonic()
+                await _await(actor.start.remote(weights and weights[0], version, begin=False))
+                await _await(self.trainer.attach_rollout.remote(replica, actor, version))
+                await _await(actor.begin.remote())
+            except Exception as exc:
+                logger.warning("replacement of rollouter %d failed: %r", replica, exc)
+                if actor is not None:
+                    with contextlib.suppress(Exception):
+                        ray.kill(actor)
+                    self._starting.remove(actor)
+                cause = exc
+                continue
+            # (Cancelled above, e.g. the run ended: it stays in `_starting`, which kill() ends.)
+            self._starting.remove(actor)
+            self.rollouts[replica] = actor
+            logger.info("rollouter %d restarted in %.1f s", replica, time.monotonic() - t0)
+            await _quietly(self._write_pids())
+            ref = asyncio.ensure_future(_await(actor.wait.remote()))
+            ref.add_done_callback(lambda f: f.cancelled() or f.exception())
+            return ref
 
     async def _collect_metrics(self) -> None:
         """Rollout metrics of every replica (aggregated), the queue's, and the trainer's new
@@ -725,13 +849,19 @@ class _Session:
         assert self.writer is not None
         for step, metrics in records:
             record = {**self.rollout_metrics, **queue_metrics, **metrics}
+            record["rollout/restarts"] = float(self.rollout_restarts)
             self.writer.log(record, step)
             self.records.append({"step": step, **record})
 
     async def _write_failures(self) -> None:
-        failures = await asyncio.gather(*(_await(r.failures.remote()) for r in self.rollouts))
+        failures = await asyncio.gather(
+            *(_await(r.failures.remote()) for r in self.rollouts), return_exceptions=True
+        )
         (self.run_dir / "failures.json").write_text(
-            json.dumps([f for replica in failures for f in replica], indent=1)
+            json.dumps(
+                [f for replica in failures if isinstance(replica, list) for f in replica],
+                indent=1,
+            )
         )
 
     def _progress_info(self) -> str:
@@ -791,7 +921,13 @@ class _Session:
         """Kill every actor at once (no graceful stop); a no-op for those already dead."""
         import ray
 
-        for actor in [*self.rollouts, *self.trainers, getattr(self.queue, "handle", None)]:
+        actors = [
+            *self.rollouts,
+            *self._starting,
+            *self.trainers,
+            getattr(self.queue, "handle", None),
+        ]
+        for actor in actors:
             if actor is not None:
                 with contextlib.suppress(Exception):  # already dead is fine
                     ray.kill(actor)
@@ -878,6 +1014,16 @@ def _brief(exc: BaseException) -> str:
 
 async def _await(ref: Any) -> Any:
     return await ref
+
+
+def _failure(future: asyncio.Future) -> BaseException | None:
+    """The error a finished future holds (a cancelled one counts as none)."""
+    return None if future.cancelled() else future.exception()
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0][:200]
 
 
 async def _quietly(awaitable: Any) -> None:

@@ -53,6 +53,7 @@ __all__ = [
     "encode_stats",
     "from_wire",
     "from_wire_blocking",
+    "item_id",
     "needs_object_store",
     "resolve",
     "to_raw_items",
@@ -97,10 +98,17 @@ class _VersionOnly(msgspec.Struct):
     version: int
 
 
+class _IdOnly(msgspec.Struct):
+    """Reads `item_id` (wire name `sample_id`) and skips every other field."""
+
+    item_id: str = msgspec.field(name="sample_id")
+
+
 _encode = msgspec.msgpack.Encoder().encode
 _decode_item = msgspec.msgpack.Decoder(QueueItem).decode
 _decode_stats = msgspec.msgpack.Decoder(QueueStats).decode
 _decode_version = msgspec.msgpack.Decoder(_VersionOnly).decode
+_decode_id = msgspec.msgpack.Decoder(_IdOnly).decode
 
 
 BY_REF_OWNERS = ("queue", "producer")
@@ -205,6 +213,13 @@ def to_raw_items(elements: list[WireItem]) -> list[RawItem]:
         RawItem(e.version if isinstance(e, QueueItem | ByRef) else _decode_version(e).version, e)
         for e in elements
     ]
+
+
+def item_id(element: WireItem) -> str:
+    """Actor side: an item's `item_id`, read from its header (the payload is not decoded)."""
+    if isinstance(element, QueueItem):
+        return element.item_id
+    return _decode_id(element.header if isinstance(element, ByRef) else element).item_id
 
 
 def encode_stats(stats: QueueStats) -> bytes:

@@ -201,6 +201,9 @@ class QueueActor:
     async def size(self) -> int:
         return self._queue.qsize()
 
+    async def item_ids(self) -> list[str]:
+        return [_wire.item_id(raw.wire) for raw in self._queue.items()]
+
 
 @functools.cache
 def _remote_class() -> Any:

@@ -371,6 +371,11 @@ class MessageQueueClient:
     async def size(self) -> int:
         return int(await self._call(self._actor.size))
 
+    async def item_ids(self) -> list[str]:
+        """The `item_id`s of the queued items, oldest first; they stay queued (a producer
+        that replaces a dead one uses them to skip what its predecessor already delivered)."""
+        return list(await self._call(self._actor.item_ids))
+
     async def actor_memory(self) -> dict[str, int]:
         """The queue actor's process: `pid`, `rss_bytes`, `peak_rss_bytes`."""
         return dict(await self._call(self._actor.memory))
@@ -557,6 +562,10 @@ class SyncMessageQueueClient:
 
     def size(self) -> int:
         return int(self._call("size", self._actor.size))
+
+    def item_ids(self) -> list[str]:
+        """The `item_id`s of the queued items, oldest first; they stay queued."""
+        return list(self._call("item_ids", self._actor.item_ids))
 
     def actor_memory(self) -> dict[str, int]:
         return dict(self._call("actor_memory", self._actor.memory))

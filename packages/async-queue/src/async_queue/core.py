@@ -296,6 +296,10 @@ class MessageQueue(Generic[ItemT]):
             self._items_ready.notify_all()
             self._room.notify_all()
 
+    def items(self) -> list[ItemT]:
+        """The queued items, oldest first (a copy; they stay queued)."""
+        return list(self._items)
+
     def stats(self) -> QueueStats:
         """A consistent snapshot (the loop runs one method at a time between awaits)."""
         versions = self._version_counts
