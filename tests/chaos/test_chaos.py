@@ -84,6 +84,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if ray.is_initialized():
         ray.shutdown()
     # As `uv run apps/train` starts its own cluster: orphans of SIGKILLed actors are reaped.
+    # Only while the cluster starts: a later `ray.init` in this process must not inherit it.
+    saved = {k: os.environ.get(k) for k in RAY_SUBREAPER}
     os.environ.update(RAY_SUBREAPER)
     env = {**WORKER_ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor"))}
     ray.init(
@@ -93,6 +95,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         runtime_env={"env_vars": env},
         _temp_dir=os.environ.get("RAY_TMPDIR", "/tmp/ray"),
     )
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     # With the subreaper flag Ray ignores SIGCHLD in this process, and then every Popen's
     # exit status reads 0: restore the default (the raylet still reaps orphans).
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)

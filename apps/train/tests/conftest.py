@@ -55,3 +55,13 @@ async def vl_engine(tiny_vl_dir: Path) -> AsyncIterator[Any]:
         yield engine
     finally:
         await engine.close()
+
+
+@pytest.fixture(autouse=True)
+def _default_sigchld() -> None:
+    """Every test starts with SIGCHLD's default disposition: a Ray driver started with the
+    raylet-subreaper flag (the app's local cluster) ignores SIGCHLD in its process, and then
+    every `subprocess` exit status reads 0, which would hide a run's real exit code."""
+    import signal
+
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -457,11 +457,10 @@ def _start_local_ray(num_cpus: int, options: dict[str, Any], attempts: int = 3) 
     needs the same variable where it is started."""
     import ray
 
-    os.environ.update({k: v for k, v in RAY_SUBREAPER.items() if k not in os.environ})
-
     for attempt in range(1, attempts + 1):
         try:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, **options)
+            with _environment(RAY_SUBREAPER):
+                ray.init(num_cpus=num_cpus, include_dashboard=False, **options)
             _default_sigchld()
             return
         except Exception as exc:
@@ -491,6 +490,20 @@ def _warn_unplaceable(run_plan: RunPlan) -> None:
                     amount,
                     have.get(name, 0.0),
                 )
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    """`variables` set (where not set already) only while the cluster starts: its processes
+    inherit them, and no later `ray.init` in this process does (a test run's next cluster
+    would ignore SIGCHLD again)."""
+    added = {k: v for k, v in variables.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def _default_sigchld() -> None:
