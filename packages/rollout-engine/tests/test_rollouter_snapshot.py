@@ -276,3 +276,41 @@ async def test_restore_checks_group_size_schema_and_timing() -> None:
     future = RolloutSnapshot(version=0, group_size=2, schema_version=99)
     with pytest.raises(ValueError, match="schema 99"):
         RolloutSnapshot.decode(future.encode())
+
+
+async def test_restored_groups_finish_before_any_new_prompt_is_admitted() -> None:
+    """A restored group may carry tokens k versions old: were new prompts admitted beside it,
+    their groups could fill the trainer's next batch first and the restored one would be
+    dropped as too stale with every token it carries. So nothing new is admitted until the
+    restored groups are delivered (checked at the moment each restored group is delivered:
+    the rollouter has admitted only restored groups so far)."""
+    restored_prompts = make_prompts(2, prefix="r")
+    snapshot = RolloutSnapshot(
+        version=0,
+        group_size=2,
+        groups=[
+            GroupSnapshot(
+                group_id=f"r{i}:{i}",
+                sample=restored_prompts[i],
+                admitted_version=0,
+                responses=[_response(2, 0), _response(1, 0)],
+            )
+            for i in range(2)
+        ],
+    )
+    admitted_at_delivery: dict[str, int] = {}
+    rollouter: Rollouter | None = None
+
+    def record(group: list[Trajectory]) -> None:
+        assert rollouter is not None
+        admitted_at_delivery[group[0].group_id] = rollouter.stats().admitted
+
+    sink = ListSink(on_put=record)
+    # Two new prompts: with the two restored groups, all the (k + 1) batches version 0 allows.
+    rollouter = Rollouter(FakeEngine(ENGINE), make_prompts(2), sink, _reward, _config())
+    rollouter.restore(snapshot)
+    stats = await asyncio.wait_for(rollouter.run(), timeout=10)
+
+    assert stats.delivered == 4
+    assert admitted_at_delivery["r0:0"] == 2 and admitted_at_delivery["r1:1"] == 2
+    assert [g[0].group_id for g in sink.groups][:2] == ["r0:0", "r1:1"]

@@ -643,6 +643,13 @@ class Rollouter:
             return "budget"
         if len(self._active) >= self._config.max_concurrency:
             return "concurrency"
+        if not isinstance(self._pending, GroupSnapshot) and any(
+            job.restored for job in self._jobs.values()
+        ):
+            # Restored groups (a resume or a restart) finish before any new prompt starts:
+            # their oldest tokens may be k versions old, so they must reach the queue ahead
+            # of new groups or be dropped as too stale with every token they carry.
+            return "concurrency"
         return None
 
     def _budget(self) -> int:
