@@ -23,11 +23,11 @@ checkpoint reach training with their original versions and log-probs. Every repl
 ones: no prompt is admitted twice. A group whose oldest token is more than k versions behind
 the resumed version could never be trained on: the rollouter drops its tokens, counts it
 (`rollout/resume_dropped_stale`, `rollout/resume_dropped_tokens`) and generates its prompt
-from scratch. One exposure remains: a group whose oldest token is exactly k versions old must
-be in the resumed run's first batch; the replicas' loops begin together and admit restored
-groups first, but a new group that finishes earlier can take its place, and it is then dropped
-at delivery like any straggler (counted in `queue/dropped`). Holding new admissions back until
-such groups are delivered (in `Rollouter`) would close it.
+from scratch. A group whose oldest token is exactly k versions old must be in the resumed
+run's first batch: each `Rollouter` admits no new prompt until its restored groups are
+delivered, and the replicas' loops begin together, but another replica's new group can still
+finish first and take its place; it is then dropped at delivery like any straggler (counted
+in `queue/dropped`). Closing that needs a hold across replicas (not done).
 
 Not saved: groups the rollouters had already put on the queue that the trainer had not taken.
 The queue is not part of a checkpoint; those prompts are not in the consumed set, so a
