@@ -65,6 +65,18 @@ async def _make_engine(config: Any) -> Any:
     raise TypeError(f"unknown engine config {type(config).__name__}")
 
 
+PENDING_ROWS_FILE = "metrics_pending.json"
+
+
+def _write_pending_rows(checkpoint: Path, records: list[tuple[int, dict[str, Any]]]) -> None:
+    import json
+
+    path = Path(checkpoint) / PENDING_ROWS_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([[step, metrics] for step, metrics in records], default=float))
+    tmp.replace(path)
+
+
 @ray.remote(max_concurrency=64, max_restarts=0)
 class RolloutActor:
     """One engine and the `Rollouter` that feeds the queue from it (see `ReplicaPlan`)."""
@@ -451,6 +463,10 @@ class TrainerActor:
         # The sink knows each replica's current actor (a restarted one's replacement).
         actors = self._sink.actors if self._sink is not None else self._rollout_actors
         await snapshot_replicas(actors, checkpoint)
+        if self._records:
+            # Rows the driver has not written yet (it may die before it does): a resume
+            # writes those up to the checkpoint's step, so no step's row goes missing.
+            await asyncio.to_thread(_write_pending_rows, checkpoint, list(self._records))
 
     async def _save_final(self, checkpoints: Path) -> None:
         from ppo_trainer.checkpoint import update_latest

@@ -559,6 +559,7 @@ class _Session:
         # A resumed run continues from its checkpoint's step: history after it is rewound.
         self.writer = MetricsWriter(self.run_dir, resume_step=self.plan.resume.step)
         self.records = list(self.writer.kept)
+        self._write_pending_rows()
         self._kept_records = len(self.records)  # rows of a resumed run's earlier steps
         self.queue = _create_queue(self.plan)
         self.rollouts = _create_rollouters(self.plan, self.queue)
@@ -865,6 +866,26 @@ class _Session:
             record["rollout/restarts"] = float(self.rollout_restarts)
             self.writer.log(record, step)
             self.records.append({"step": step, **record})
+
+    def _write_pending_rows(self) -> None:
+        """A resumed run: the rows its checkpoint holds that the previous driver had not
+        written (it died between the trainer's step and its next metrics poll)."""
+        from train_app.actors import PENDING_ROWS_FILE
+
+        if self.plan.resume.checkpoint is None:
+            return
+        path = Path(self.plan.resume.checkpoint) / PENDING_ROWS_FILE
+        if not path.exists():
+            return
+        last = self.records[-1]["step"] if self.records else 0
+        assert self.writer is not None
+        for step, metrics in json.loads(path.read_text()):
+            if last < step <= (self.plan.resume.step or 0):
+                # The trainer's figures only: the rollout and queue ones of then are gone.
+                row = {**metrics, "recovered_from_checkpoint": True}
+                self.writer.log(row, step)
+                self.records.append({"step": step, **row})
+                last = step
 
     async def _write_failures(self) -> None:
         failures = await asyncio.gather(
