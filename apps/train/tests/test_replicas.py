@@ -15,7 +15,6 @@ a few seconds: 76-112 s per run measured with the 2 cores shared by a load of 10
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
@@ -25,10 +24,10 @@ from pathlib import Path
 import pytest
 from ppo_trainer import read_checkpoint_meta
 from rich.console import Console
-from rollout_engine.testing import FakeEngineConfig
 from train_app.config import TrainConfig
 from train_app.plan import RunPlan
 from train_app.run import WORKER_ENV, run
+from train_app.testing import fake_engines
 
 
 @pytest.fixture(scope="module")
@@ -56,23 +55,8 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 def _fake_engines(run_plan: RunPlan) -> RunPlan:
-    """Every replica on a FakeEngine (own seed; short responses, a real asyncio clock)."""
-    eos = run_plan.replicas[0].rollout.sampling.stop_token_ids[0]
-    replicas = tuple(
-        dataclasses.replace(
-            r,
-            engine=FakeEngineConfig(
-                seed=r.replica,
-                vocab_size=20,
-                eos_token_id=eos,
-                median_length=4,
-                time_per_token_s=0.001,
-                initial_version=r.engine.initial_version,
-            ),
-        )
-        for r in run_plan.replicas
-    )
-    return dataclasses.replace(run_plan, replicas=replicas)
+    """Every replica on a FakeEngine (short responses, a real asyncio clock)."""
+    return fake_engines(run_plan, time_per_token_s=0.001)
 
 
 def _records(run_dir: Path) -> list[dict]:

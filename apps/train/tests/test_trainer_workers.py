@@ -11,7 +11,6 @@ update is tested in packages/ppo-trainer/tests/test_data_parallel.py.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
@@ -24,12 +23,12 @@ from pathlib import Path
 import pytest
 from ppo_trainer import read_checkpoint_meta
 from rich.console import Console
-from rollout_engine.testing import FakeEngineConfig
 from train_app import cli
 from train_app import run as run_module
 from train_app.config import TrainConfig
 from train_app.plan import DP_STRATEGY, RunPlan, plan
 from train_app.run import WORKER_ENV, RunFailed, run
+from train_app.testing import fake_engines
 
 # -- the plan (no Ray) ---------------------------------------------------------------------
 
@@ -111,23 +110,8 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 def _fake_engine(run_plan: RunPlan) -> RunPlan:
-    """The replica on a FakeEngine (short responses, a real asyncio clock)."""
-    eos = run_plan.replicas[0].rollout.sampling.stop_token_ids[0]
-    replicas = tuple(
-        dataclasses.replace(
-            r,
-            engine=FakeEngineConfig(
-                seed=r.replica,
-                vocab_size=20,
-                eos_token_id=eos,
-                median_length=4,
-                time_per_token_s=0.001,
-                initial_version=r.engine.initial_version,
-            ),
-        )
-        for r in run_plan.replicas
-    )
-    return dataclasses.replace(run_plan, replicas=replicas)
+    """Every replica on a FakeEngine (short responses, a real asyncio clock)."""
+    return fake_engines(run_plan, time_per_token_s=0.001)
 
 
 def _config(tmp_path: Path, **overrides: object) -> TrainConfig:
