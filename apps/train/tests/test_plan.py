@@ -175,3 +175,13 @@ def test_custom_resources_need_a_cluster_and_a_valid_spec() -> None:
         TrainConfig(trainer_resources="GPU=-1").validate()
     TrainConfig(rollout_resources="GPU=1,CPU=2").validate()  # local: no custom resource
     TrainConfig(ray_address="auto", rollout_resources="node2=1").validate()
+
+
+def test_a_trainer_rank_trains_on_the_gpu_ray_gave_it_and_on_the_cpu_otherwise() -> None:
+    """`--trainer-resources GPU=1` gives a rank a GPU id: it trains there (NCCL, FSDP2 with
+    several ranks); a rank without one stays on the CPU even where CUDA is visible."""
+    from train_app.actors import trainer_device
+
+    assert trainer_device(["0"], cuda_available=True) == "cuda"
+    assert trainer_device([], cuda_available=True) == "cpu"
+    assert trainer_device(["0"], cuda_available=False) == "cpu"  # a broken CUDA install

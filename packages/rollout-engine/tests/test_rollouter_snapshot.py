@@ -314,3 +314,75 @@ async def test_restored_groups_finish_before_any_new_prompt_is_admitted() -> Non
     assert stats.delivered == 4
     assert admitted_at_delivery["r0:0"] == 2 and admitted_at_delivery["r1:1"] == 2
     assert [g[0].group_id for g in sink.groups][:2] == ["r0:0", "r1:1"]
+
+
+async def test_held_rollouters_admit_nothing_new_until_every_restored_group_is_delivered() -> None:
+    """Across rollouters (the app's replicas after a resume): B has no restored group and a
+    fast engine, A has restored groups that take a while to finish. Both hold their new
+    prompts until both have delivered their restored groups, so the first groups on the
+    shared sink are A's restored ones; without the hold B's new groups would arrive first and
+    could fill the first batch."""
+    restored_prompts = make_prompts(2, prefix="r")
+    snapshot = RolloutSnapshot(
+        version=0,
+        group_size=2,
+        groups=[
+            GroupSnapshot(
+                group_id=f"r{i}:{i}",
+                sample=restored_prompts[i],
+                admitted_version=0,
+                responses=[_response(2, 0), _response(1, 0)],
+            )
+            for i in range(2)
+        ],
+    )
+    sink = ListSink()
+    slow = FakeEngineConfig(seed=5, time_per_token_s=0.01, fixed_length=30)
+    fast = FakeEngineConfig(seed=6, time_per_token_s=0.0005, fixed_length=3)
+    with_restored = Rollouter(FakeEngine(slow), make_prompts(0), sink, _reward, _config())
+    without = Rollouter(FakeEngine(fast), make_prompts(2, prefix="n"), sink, _reward, _config())
+    with_restored.restore(snapshot)
+    for rollouter in (with_restored, without):
+        rollouter.hold_new_prompts()
+
+    async def release_when_restored_are_delivered() -> None:
+        await asyncio.gather(
+            with_restored.wait_restored_delivered(), without.wait_restored_delivered()
+        )
+        for rollouter in (with_restored, without):
+            rollouter.release_new_prompts()
+
+    release = asyncio.create_task(release_when_restored_are_delivered())
+    runs = asyncio.gather(with_restored.run(), without.run())
+    stats_a, stats_b = await asyncio.wait_for(runs, timeout=20)
+    await release
+
+    assert stats_a.delivered == 2 and stats_b.delivered == 2
+    assert sorted(g[0].group_id for g in sink.groups[:2]) == ["r0:0", "r1:1"]
+    assert all(g[0].prompt_id.startswith("n") for g in sink.groups[2:])
+
+
+async def test_wait_restored_delivered_returns_when_the_run_stops() -> None:
+    """A waiter on restored groups is never left hanging: `stop()` ends the wait."""
+    snapshot = RolloutSnapshot(
+        version=0,
+        group_size=2,
+        groups=[
+            GroupSnapshot(
+                group_id="r0:0",
+                sample=make_prompts(1, prefix="r")[0],
+                admitted_version=0,
+                responses=[_response(2, 0), _response(1, 0)],
+            )
+        ],
+    )
+    slow = FakeEngineConfig(seed=5, time_per_token_s=0.05, fixed_length=60)
+    rollouter = Rollouter(FakeEngine(slow), make_prompts(0), ListSink(), _reward, _config())
+    rollouter.restore(snapshot)
+    waiter = asyncio.create_task(rollouter.wait_restored_delivered())
+    run = asyncio.create_task(rollouter.run())
+    await asyncio.sleep(0.2)
+    assert not waiter.done()
+    await rollouter.stop()
+    await asyncio.wait_for(waiter, timeout=5)
+    await asyncio.wait_for(run, timeout=5)

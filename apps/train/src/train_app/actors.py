@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from train_app.plan import ReplicaPlan, TrainerPlan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RolloutActor", "TrainerActor"]
+__all__ = ["RolloutActor", "TrainerActor", "trainer_device"]
 
 
 def _limit_threads(cpu: int | None) -> None:
@@ -92,7 +93,11 @@ class RolloutActor:
         self._broken: asyncio.Future[None] | None = None
 
     async def start(
-        self, weights: dict[str, Any] | None = None, version: int | None = None, begin: bool = True
+        self,
+        weights: dict[str, Any] | None = None,
+        version: int | None = None,
+        begin: bool = True,
+        hold: bool = False,
     ) -> float:
         """Start the engine (tens of seconds on CPU) and, with `begin`, the rollout loop;
         returns the engine's start-up seconds.
@@ -104,7 +109,8 @@ class RolloutActor:
         also starts every replica of a run with `begin=False`, then `begin()`s them together
         once every engine is up: a resumed run's restored partials (oldest tokens first) then
         reach the queue ahead of any replica's new groups, so they are trained on before their
-        tokens grow too stale."""
+        tokens grow too stale. With `hold` its new prompts wait for `release_new_prompts()`
+        (the driver's hold across replicas, see `train_app.run._start_together`)."""
         from mm_preprocess import EventLoopLagMonitor
         from rollout_engine import Rollouter
         from transformers import AutoTokenizer
@@ -154,11 +160,21 @@ class RolloutActor:
         )
         if plan.restore is not None:  # a resumed run's in-flight groups (train_app.inflight)
             self._rollouter.restore(plan.restore)
+        if hold:
+            self._rollouter.hold_new_prompts()
         # Drops the queue counted before this replica existed are not its own (a replacement).
         self._stale_drops_seen = self._drop_share(await self._stale_drops())
         if begin:
             await self.begin()
         return float(getattr(self._engine, "startup_s", 0.0))
+
+    async def restored_delivered(self) -> None:
+        """Returns once this replica's restored groups are delivered (or its loop ended)."""
+        await self._rollouter.wait_restored_delivered()
+
+    async def release_new_prompts(self) -> None:
+        """End the hold of `start(hold=True)`."""
+        self._rollouter.release_new_prompts()
 
     async def begin(self) -> None:
         """Start the rollout loop (once)."""
@@ -280,6 +296,13 @@ class RolloutActor:
             await asyncio.to_thread(self._journal.close)
 
 
+def trainer_device(gpu_ids: Sequence[Any], cuda_available: bool) -> str:
+    """Where a trainer rank trains: its GPU when Ray gave it one (`--trainer-resources GPU=1`;
+    Ray sets CUDA_VISIBLE_DEVICES so it is `cuda` device 0, and `DataParallel` then uses NCCL
+    and FSDP2), else the CPU (gloo and DDP), even on a machine with GPUs it was not given."""
+    return "cuda" if gpu_ids and cuda_available else "cpu"
+
+
 def _process_tree() -> list[int]:
     import psutil
 
@@ -386,6 +409,11 @@ class TrainerActor:
         else:
             model = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, plan.model_dir)
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, plan.model_dir)
+        import torch
+
+        self._device = trainer_device(ray.get_gpu_ids(), torch.cuda.is_available())
+        # PPOTrainer follows the model's device (batches, value head, checkpoint loads).
+        model = await asyncio.to_thread(model.to, self._device)
         if plan.world_size > 1:
             assert init_method is not None
             self._dp = await self._join_group(init_method)

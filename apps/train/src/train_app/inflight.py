@@ -25,9 +25,12 @@ the resumed version could never be trained on: the rollouter drops its tokens, c
 (`rollout/resume_dropped_stale`, `rollout/resume_dropped_tokens`) and generates its prompt
 from scratch. A group whose oldest token is exactly k versions old must be in the resumed
 run's first batch: each `Rollouter` admits no new prompt until its restored groups are
-delivered, and the replicas' loops begin together, but another replica's new group can still
-finish first and take its place; it is then dropped at delivery like any straggler (counted
-in `queue/dropped`). Closing that needs a hold across replicas (not done).
+delivered, and with several replicas every replica holds its new prompts
+(`Rollouter.hold_new_prompts`) until all of them have delivered their restored groups (the
+driver's `run._start_together`), so no replica's new group reaches the queue ahead of another's
+restored one. Only more restored groups than one batch can lose some: the second batch is a
+version later, and a group exactly k old that finished after the first batch was taken is
+then dropped at delivery like any straggler (counted in `queue/dropped`).
 
 Not saved: groups the rollouters had already put on the queue that the trainer had not taken.
 The queue is not part of a checkpoint; those prompts are not in the consumed set, so a

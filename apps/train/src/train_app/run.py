@@ -582,7 +582,7 @@ class _Session:
         t0 = time.monotonic()
         with self.console.status("starting vLLM (tens of seconds on CPU)..."):
             engines, trainer_load_s = await asyncio.gather(
-                _start_together(self.rollouts),
+                _start_together(self.rollouts, hold=self._hold_new_prompts()),
                 self._setup_trainers(),
             )
         self.timings.update(
@@ -590,6 +590,11 @@ class _Session:
         )
         logger.info("actors up in %.1f s (engines %s s)", self.timings["actors_s"], engines)
         await self._write_pids()
+
+    def _hold_new_prompts(self) -> bool:
+        """Several replicas resuming in-flight groups: each holds its new prompts until every
+        replica's restored groups are delivered (see `_start_together`)."""
+        return len(self.plan.replicas) > 1 and any(r.restore for r in self.plan.replicas)
 
     async def _setup_trainers(self) -> float:
         """Every trainer rank joins the group at rank 0's address (several ranks) and loads
@@ -969,13 +974,41 @@ class _Session:
             self.writer.close()
 
 
-async def _start_together(rollouts: list[Any]) -> list[float]:
+async def _start_together(rollouts: list[Any], *, hold: bool = False) -> list[float]:
     """Start every replica's engine, then every rollout loop at once (`RolloutActor.start`):
     engines come up seconds apart, and a replica that began early would fill the first
-    batches with new groups while another's restored partials wait."""
-    engines = await asyncio.gather(*(_await(r.start.remote(begin=False)) for r in rollouts))
+    batches with new groups while another's restored partials wait.
+
+    With `hold` (a resume with in-flight groups on several replicas) every replica also holds
+    its new prompts until all of them have delivered their restored groups: a restored group
+    whose oldest tokens are exactly k versions old must be in the resumed run's first batch,
+    and another replica's new group could otherwise take its place. A replica that dies
+    meanwhile (its replacement is not held) ends the hold for the others."""
+    engines = await asyncio.gather(
+        *(_await(r.start.remote(begin=False, hold=hold)) for r in rollouts)
+    )
     await asyncio.gather(*(_await(r.begin.remote()) for r in rollouts))
+    if hold:
+        task = asyncio.create_task(_release_when_restored_delivered(rollouts))
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
     return list(engines)
+
+
+_BACKGROUND: set[asyncio.Task[None]] = set()  # referenced until done (asyncio keeps weak refs)
+
+
+async def _release_when_restored_delivered(rollouts: list[Any]) -> None:
+    waits = await asyncio.gather(
+        *(_await(r.restored_delivered.remote()) for r in rollouts), return_exceptions=True
+    )
+    for rollout, outcome in zip(rollouts, waits, strict=True):
+        if isinstance(outcome, BaseException):
+            logger.info("restored-group hold: a replica ended first (%r)", outcome)
+            continue
+        with contextlib.suppress(Exception):  # died since: its replacement is not held
+            await _await(rollout.release_new_prompts.remote())
+    logger.info("restored groups delivered: new prompts admitted on every replica")
 
 
 def _create_queue(run_plan: RunPlan) -> Any:

@@ -86,6 +86,7 @@ LoopState = Literal[
     "fetching",
     "admitting",
     "saturated",
+    "held",
     "draining",
     "paused",
     "finishing",
@@ -100,6 +101,8 @@ LoopState = Literal[
   reaped meanwhile).
 - `"admitting"`: a group was just dispatched; the loop goes round again at once.
 - `"saturated"`: `max_concurrency` groups are in flight; waiting for one to finish.
+- `"held"`: new prompts are held (`hold_new_prompts()`); waiting for
+  `release_new_prompts()`. Restored groups are still admitted.
 - `"draining"`: the staleness budget is exhausted; waiting for a group to finish or for
   `on_weights()` (which ends the wait at once).
 - `"paused"`: a weight push is in progress (`pause()` was called); waiting for
@@ -110,7 +113,7 @@ LoopState = Literal[
 - `"failed"` (final): `max_consecutive_failures` groups failed in a row; `run()` raised
   `RolloutFailed`.
 """
-_Blocker = Literal["paused", "budget", "concurrency"]
+_Blocker = Literal["paused", "budget", "concurrency", "held"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +303,10 @@ class Rollouter:
         # Groups restored from a snapshot, admitted before any new prompt (see `restore`).
         self._restored: deque[GroupSnapshot] = deque()
         self._restore_counts = {"restored": 0, "restore_dropped": 0, "restore_dropped_tokens": 0}
+        self._restored_settled = asyncio.Event()  # set: no restored group left to deliver
+        self._restored_settled.set()
+        self._new_prompts_allowed = asyncio.Event()  # clear: hold_new_prompts() is in force
+        self._new_prompts_allowed.set()
         # Loop bookkeeping.
         self._pending: PromptSample | GroupSnapshot | None = None
         self._state: LoopState = "idle"
@@ -371,6 +378,7 @@ class Rollouter:
             await self._wait_for_in_flight()
         finally:
             await self._cancel_in_flight()
+            self._restored_settled.set()  # nothing restored is left to wait for
             self._set_state(self._final_state())
             self._idle.stop(self._clock())
             self._failure_log.flush()
@@ -440,6 +448,25 @@ class Rollouter:
                 group = msgspec.structs.replace(group, responses=[])
             self._restored.append(group)
             self._restore_counts["restored"] += 1
+            self._restored_settled.clear()
+
+    def hold_new_prompts(self) -> None:
+        """Admit no new prompt until `release_new_prompts()`; restored groups still go.
+
+        For several rollouters resumed together: each holds its new prompts until every one
+        has delivered its restored groups (`wait_restored_delivered`), so no replica's new
+        group reaches the queue ahead of another's restored one, whose oldest tokens may be
+        exactly `max_staleness` versions old and must be in the first batch."""
+        self._new_prompts_allowed.clear()
+
+    def release_new_prompts(self) -> None:
+        """End `hold_new_prompts()`; the dispatch loop admits new prompts at once."""
+        self._new_prompts_allowed.set()
+
+    async def wait_restored_delivered(self) -> None:
+        """Returns once no restored group (`restore`) is left to deliver: each was delivered,
+        dropped or failed, or `run()` ended. At once when nothing was restored."""
+        await self._restored_settled.wait()
 
     async def snapshot_in_flight(self, settle_timeout_s: float = 5.0) -> RolloutSnapshot:
         """Every admitted, not yet delivered group with its responses so far
@@ -633,6 +660,7 @@ class Rollouter:
             if blocker is None:
                 await self._dispatch(self._pending)
                 self._pending = None
+                self._note_restored_progress()  # a restored group restarted from scratch
             else:
                 await self._wait_while_blocked(blocker)
 
@@ -650,6 +678,8 @@ class Rollouter:
             # their oldest tokens may be k versions old, so they must reach the queue ahead
             # of new groups or be dropped as too stale with every token they carry.
             return "concurrency"
+        if not isinstance(self._pending, GroupSnapshot) and not self._new_prompts_allowed.is_set():
+            return "held"  # another rollouter's restored groups go first (hold_new_prompts)
         return None
 
     def _budget(self) -> int:
@@ -664,6 +694,10 @@ class Rollouter:
         if blocker == "concurrency":
             self._set_state("saturated")
             await self._wait_first()
+            return
+        if blocker == "held":
+            self._set_state("held")
+            await self._wait_first(events=(self._new_prompts_allowed,))
             return
         # Paused or out of budget: the drain wait. It ends when any task finishes or when
         # on_weights() sets `_running`, whichever is first; the state lock is not held.
@@ -857,7 +891,17 @@ class Rollouter:
             for task in [task for task in self._active if task.done()]:
                 self._active.discard(task)
                 self._account(task, self._jobs.pop(task))
+        self._note_restored_progress()
         self._refresh_idle()
+
+    def _note_restored_progress(self) -> None:
+        """Set `_restored_settled` once no restored group waits, runs or is pending."""
+        if (
+            not self._restored
+            and not isinstance(self._pending, GroupSnapshot)
+            and not any(job.restored for job in self._jobs.values())
+        ):
+            self._restored_settled.set()
 
     def _account(self, task: asyncio.Task[GroupOutcome], job: GroupJob) -> None:
         if task.cancelled():
