@@ -130,6 +130,11 @@ def test_killed_rollouter_is_restarted_and_the_run_finishes(
     assert len(meta.consumed_prompt_ids) == len(set(meta.consumed_prompt_ids))
     pids = json.loads((result.run_dir / "actors.json").read_text())
     assert killer.killed_pid not in pids["rollout"]  # actors.json names the replacement
+    # The group accounting balances: the killed replica's deliveries are the queue's excess.
+    groups = json.loads((result.run_dir / "summary.json").read_text())["groups"]
+    assert groups["balanced"], groups
+    assert groups["rollout"]["replaced"] == 1
+    assert groups["rollout"]["delivered_by_replaced_replicas"] > 0, groups
 
 
 def test_restarts_past_the_limit_fail_the_run_with_the_cause(

@@ -644,7 +644,9 @@ class _Session:
         are quiet: none in flight and nothing admitted for a poll (admission stops them when
         the trainer stops consuming; `settled` is False if that took over SETTLE_S). Balanced:
         rollouters delivered what the queue received; the queue's items were consumed,
-        dropped or are still queued; the trainer trained on or dropped what it consumed."""
+        dropped or are still queued; the trainer trained on or dropped what it consumed.
+        After a rollouter restart the replaced replicas' deliveries are the queue's excess
+        (`delivered_by_replaced_replicas`): their own counters are gone with them."""
         # A stopped run takes one snapshot: the user asked to stop, not to wait.
         deadline = time.monotonic() + (SETTLE_S if self.stopper.signum is None else 0.0)
         previous: dict[str, int] | None = None
@@ -676,8 +678,15 @@ class _Session:
             "trained": int(trainer_summary.get("groups", 0)),
             "dropped": int(trainer_summary.get("dropped_groups", 0)),
         }
+        if self.rollout_restarts:
+            # A replaced replica's counters died with it; what it delivered is what the queue
+            # received beyond the live replicas' deliveries.
+            rollout["delivered_by_replaced_replicas"] = queue["produced"] - rollout["delivered"]
+            rollout["replaced"] = self.rollout_restarts
+        delivered = rollout["delivered"] + rollout.get("delivered_by_replaced_replicas", 0)
         balanced = (
-            rollout["delivered"] == queue["produced"]
+            delivered == queue["produced"]
+            and rollout.get("delivered_by_replaced_replicas", 0) >= 0
             and queue["produced"] == queue["consumed"] + queue["dropped"] + queue["size"]
             and queue["consumed"] == trainer["trained"] + trainer["dropped"]
         )
