@@ -204,6 +204,11 @@ class QueueActor:
     async def item_ids(self) -> list[str]:
         return [_wire.item_id(raw.wire) for raw in self._queue.items()]
 
+    async def peek_all(self) -> list[_wire.WireItem]:
+        """Every queued item in its wire form, oldest first; nothing is taken or counted (a
+        by-ref item's payload stays in the object store: the client fetches it)."""
+        return [raw.wire for raw in self._queue.items()]
+
 
 @functools.cache
 def _remote_class() -> Any:

@@ -376,6 +376,14 @@ class MessageQueueClient:
         that replaces a dead one uses them to skip what its predecessor already delivered)."""
         return list(await self._call(self._actor.item_ids))
 
+    async def peek_all(self) -> list[QueueItem]:
+        """A copy of every queued item, with its payload, oldest first; they stay queued and
+        no counter changes (a checkpoint saves what the consumer has not taken yet). By-ref
+        payloads are fetched as a get fetches them. Read-only: another consumer may take the
+        items at any time after, so only a caller that is the sole consumer (and is not
+        reading) knows the copy is still what is queued."""
+        return await _wire.resolve(await self._call(self._actor.peek_all))
+
     async def actor_memory(self) -> dict[str, int]:
         """The queue actor's process: `pid`, `rss_bytes`, `peak_rss_bytes`."""
         return dict(await self._call(self._actor.memory))
@@ -566,6 +574,11 @@ class SyncMessageQueueClient:
     def item_ids(self) -> list[str]:
         """The `item_id`s of the queued items, oldest first; they stay queued."""
         return list(self._call("item_ids", self._actor.item_ids))
+
+    def peek_all(self) -> list[QueueItem]:
+        """A copy of every queued item, oldest first; they stay queued (see the async
+        client's `peek_all`)."""
+        return _wire.from_wire_blocking(self._call("peek_all", self._actor.peek_all))
 
     def actor_memory(self) -> dict[str, int]:
         return dict(self._call("actor_memory", self._actor.memory))
