@@ -386,3 +386,28 @@ async def test_wait_restored_delivered_returns_when_the_run_stops() -> None:
     await rollouter.stop()
     await asyncio.wait_for(waiter, timeout=5)
     await asyncio.wait_for(run, timeout=5)
+
+
+async def test_requeued_groups_take_admission_slots_like_own_deliveries() -> None:
+    """A resumed run puts its checkpoint's queued groups back on the queue ahead of the
+    rollouter's: they count as its deliveries. With k = 1 and 2 groups a version, version 0
+    admits 4 groups; 3 are already queued, so one new group goes until the next version,
+    then two more; a downstream drop of a requeued group frees its slot."""
+    sink = ListSink()
+    rollouter = Rollouter(FakeEngine(ENGINE), make_prompts(6), sink, _reward, _config())
+    with pytest.raises(ValueError, match=">= 0"):
+        rollouter.count_requeued(-1)
+    rollouter.count_requeued(3)
+    run = asyncio.create_task(rollouter.run())
+    await wait_until(lambda: len(sink.groups) == 1 and rollouter.state == "draining")
+    assert (rollouter.stats().admitted, rollouter.stats().budget) == (1, 0)
+    await rollouter.update_weights({"w": 1}, 1)
+    await wait_until(lambda: len(sink.groups) == 3 and rollouter.state == "draining")
+    assert rollouter.stats().admitted == 3
+    rollouter.on_downstream_drop(1)  # a requeued group was dropped as too stale downstream
+    await wait_until(lambda: len(sink.groups) == 4 and rollouter.state == "draining")
+    assert (rollouter.stats().admitted, rollouter.stats().delivered) == (4, 4)
+    with pytest.raises(RuntimeError, match="before run"):
+        rollouter.count_requeued(1)
+    await rollouter.stop()
+    await run

@@ -278,6 +278,8 @@ class Rollouter:
             )
         )
         self._downstream_dropped = 0
+        # Groups delivered on this rollouter's behalf before it ran (see `count_requeued`).
+        self._requeued = 0
         # Shared state; changed only under _lock, in critical sections without awaits.
         self._lock = asyncio.Lock()
         self._active: set[asyncio.Task[GroupOutcome]] = set()
@@ -468,6 +470,20 @@ class Rollouter:
         dropped or failed, or `run()` ended. At once when nothing was restored."""
         await self._restored_settled.wait()
 
+    def count_requeued(self, count: int) -> None:
+        """Count `count` groups as delivered by this rollouter, before `run()`: a resumed run
+        put finished groups of its checkpoint back on the queue ahead of this rollouter's
+        (the app's share of them for this replica), and they take admission slots like its
+        own deliveries. Without this, admission would run that many groups past the
+        staleness budget and they would be dropped as too stale downstream. They are not in
+        `stats().delivered` (this rollouter did not deliver them) but are in `budget`, and a
+        downstream drop of one frees its slot (`on_downstream_drop`)."""
+        if self._run_started:
+            raise RuntimeError("count_requeued() must be called before run()")
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        self._requeued += count
+
     async def snapshot_in_flight(self, settle_timeout_s: float = 5.0) -> RolloutSnapshot:
         """Every admitted, not yet delivered group with its responses so far
         (`rollout_engine.snapshot`); the run goes on afterwards.
@@ -586,7 +602,9 @@ class Rollouter:
         consumption): their admission slots are freed, so generate-ahead does not shrink."""
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
-        self._downstream_dropped = min(self._downstream_dropped + count, self._counters.delivered)
+        self._downstream_dropped = min(
+            self._downstream_dropped + count, self._counters.delivered + self._requeued
+        )
         self._running.set()  # the budget may have reopened: re-check at once
 
     @property
@@ -685,7 +703,7 @@ class Rollouter:
     def _budget(self) -> int:
         return self._admission.budget(
             self._version,
-            self._counters.delivered - self._downstream_dropped,
+            self._counters.delivered + self._requeued - self._downstream_dropped,
             len(self._active),
             lookahead=self.lookahead,
         )
