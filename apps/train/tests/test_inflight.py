@@ -11,23 +11,36 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
+from async_queue import QueueItem
 from rollout_engine import (
     GroupSnapshot,
     PromptSample,
     ResponseSnapshot,
     RolloutSnapshot,
+    Timings,
     load_snapshot,
     save_snapshot,
 )
+from rollout_engine import Trajectory as RolloutTrajectory
 from train_app.config import TrainConfig
 from train_app.inflight import (
+    QueuedGroups,
+    QueuedSnapshot,
+    deal_count,
     inflight_path,
     load_inflight,
+    load_queued,
+    put_back,
+    queued_path,
+    read_queued,
     redistribute,
     restored_prompt_ids,
+    snapshot_queue,
     snapshot_replicas,
     without_prompts,
+    write_queued,
 )
 from train_app.plan import ResumePoint, plan
 
@@ -224,3 +237,151 @@ def test_the_driver_resumes_with_the_latest_checkpoints_partials(tmp_path: Path)
     (replica,) = plan(config, resume=resume).replicas
     assert _ids(replica.restore) == ["s1000-5", "s1001-2"]
     assert replica.consumed_prompt_ids == {"s1000-0", "s1000-5", "s1001-2"}
+
+
+# ---------------------------------------------------------------------- the queue's groups
+
+
+def _queued(prompt_id: str, version: int, tokens: int = 3, size: int = 2) -> QueueItem:
+    """A queue item as `QueueTrajectorySink` makes it: one encoded group, its oldest version."""
+    group = [
+        RolloutTrajectory(
+            response_id=f"{prompt_id}:9:{i}",
+            group_id=f"{prompt_id}:9",
+            prompt_id=prompt_id,
+            prompt_ids=[1, 2],
+            response_ids=list(range(tokens)),
+            behaviour_logprobs=[-0.25] * tokens,
+            token_versions=[version] * tokens,
+            finish_reason="stop",
+            timings=Timings(admitted_at=1.0),
+        )
+        for i in range(size)
+    ]
+    return QueueItem(payload=msgspec.msgpack.encode(group), version=version, item_id=prompt_id)
+
+
+class _Queue:
+    """A stand-in for `MessageQueueClient` (`peek_all`, `put_many`); the real queue actor is
+    in `test_inflight_actors.py` and packages/async-queue/tests/test_peek.py."""
+
+    def __init__(self, items: Any = ()) -> None:
+        self._items = items
+        self.put: list[list[QueueItem]] = []
+        self.room = asyncio.Event()
+
+    async def peek_all(self) -> list[QueueItem]:
+        if isinstance(self._items, BaseException):
+            raise self._items
+        return list(self._items)
+
+    async def put_many(self, items: list[QueueItem]) -> None:
+        if self.put:  # a second call waits for room, as a full queue's put does
+            await self.room.wait()
+        self.put.append(items)
+
+
+def test_the_queue_copy_round_trips_and_a_failing_queue_leaves_no_file(tmp_path: Path) -> None:
+    items = [_queued("b", 4), _queued("a", 3)]
+    saved = asyncio.run(snapshot_queue(_Queue(items), tmp_path, version=5))
+    assert saved is not None and saved.groups == 2 and saved.path == queued_path(tmp_path)
+    assert saved.path.name == "queued.msgpack"
+    again = read_queued(saved.path)
+    assert (again.version, again.items) == (5, items)  # payloads and stamps as they were
+    assert [p.name for p in tmp_path.iterdir()] == ["queued.msgpack"]  # no temporary left
+    assert asyncio.run(snapshot_queue(_Queue(RuntimeError("gone")), tmp_path / "x", 5)) is None
+    assert not (tmp_path / "x").exists()
+    future = QueuedSnapshot(version=1, taken_at=0.0, schema_version=99)
+    with pytest.raises(ValueError, match="schema 99"):
+        QueuedSnapshot.decode(future.encode())
+
+
+def test_a_resume_keeps_fresh_untrained_queued_groups_oldest_first(tmp_path: Path) -> None:
+    """k = 1, resumed at version 5: version 3 is too stale (dropped, counted, its prompt not
+    skipped); a trained prompt, a prompt's second group and another group size are left out."""
+    write_queued(
+        QueuedSnapshot(
+            version=5,
+            taken_at=1.0,
+            items=[
+                _queued("p1", 5),
+                _queued("trained", 4),
+                _queued("p2", 4),
+                _queued("stale", 3, tokens=7),
+                _queued("p1", 5),  # a second group of p1
+                _queued("big", 4, size=3),
+                _queued("p3", 4),
+            ],
+        ),
+        queued_path(tmp_path),
+    )
+    kept = load_queued(
+        tmp_path, version=5, max_staleness=1, consumed_prompt_ids={"trained"}, group_size=2
+    )
+    assert [i.item_id for i in kept.items] == ["p2", "p3", "p1"]  # oldest version first
+    assert kept.prompt_ids == {"p1", "p2", "p3"}
+    assert (kept.dropped_stale, kept.dropped_tokens, kept.saved) == (1, 2 * 7, True)
+    assert kept.tokens == 3 * 2 * 3
+    assert load_queued(tmp_path / "none", version=5, max_staleness=1) == QueuedGroups()
+
+
+def test_put_back_puts_what_fits_before_returning_and_the_rest_when_room_comes() -> None:
+    async def scenario() -> None:
+        items = [_queued(f"p{i}", 4) for i in range(5)]
+        queue = _Queue()
+        tail = await put_back(queue, items, room=3)
+        assert queue.put == [items[:3]] and tail is not None and not tail.done()
+        queue.room.set()
+        await tail
+        assert queue.put == [items[:3], items[3:]]
+        assert await put_back(_Queue(), items[:2], room=3) is None
+
+    asyncio.run(scenario())
+
+
+def test_plan_skips_the_put_back_prompts_and_deals_them_to_the_budgets() -> None:
+    queued = QueuedGroups(
+        items=tuple(_queued(f"s1000-{i}", 4) for i in range(7)),
+        prompt_ids=frozenset(f"s1000-{i}" for i in range(7)),
+        saved=True,
+    )
+    resume = ResumePoint("ckpt", 4, 4, frozenset({"s1001-0"}), (), queued)
+    run = plan(TrainConfig(rollout_replicas=3, batch_size=8), resume=resume)
+    assert [r.requeued for r in run.replicas] == [3, 2, 2]  # shares 3, 3, 2
+    for replica in run.replicas:
+        assert replica.consumed_prompt_ids == {"s1001-0"} | queued.prompt_ids
+    assert deal_count(4, [1, 3]) == [1, 3] and deal_count(0, [2, 2]) == [0, 0]
+    assert all(r.requeued == 0 for r in plan(TrainConfig(rollout_replicas=2)).replicas)
+
+
+def test_the_driver_puts_back_the_queued_groups_and_continues_only_the_others(
+    tmp_path: Path,
+) -> None:
+    """`run`'s resume point: a group in both files (delivered between its replica's snapshot
+    and the queue's copy) is put back finished, not continued; a too-stale queued group is
+    neither put back nor skipped."""
+    from ppo_trainer import TrainerState
+    from ppo_trainer.checkpoint_meta import STATE_FILE
+    from train_app.run import _resume_point
+
+    checkpoint = tmp_path / "checkpoints" / "step_000004"
+    checkpoint.mkdir(parents=True)
+    state = TrainerState(step=4, version=4, consumed_group_ids=("s1000-0:0",),
+                         consumed_prompt_ids=("s1000-0",))  # fmt: skip
+    (checkpoint / STATE_FILE).write_text(state.to_json())
+    (tmp_path / "checkpoints" / "latest").symlink_to("step_000004", target_is_directory=True)
+    save_snapshot(
+        _snapshot(_group("s1000-5", 4), _group("s1000-6", 2)), inflight_path(checkpoint, 0)
+    )
+    items = [_queued("s1000-0", 4), _queued("s1000-5", 3), _queued("s1000-1", 1)]
+    write_queued(QueuedSnapshot(version=4, taken_at=1.0, items=items), queued_path(checkpoint))
+    config = TrainConfig(resume=tmp_path, rollout_replicas=1, batch_size=4, group_size=2,
+                         max_staleness=1)  # fmt: skip
+
+    resume = _resume_point(config, tmp_path)
+    assert [i.item_id for i in resume.queued.items] == ["s1000-5"]
+    assert resume.queued.dropped_stale == 1  # s1000-1: version 1 at version 4, k = 1
+    assert [_ids(s) for s in resume.inflight] == [["s1000-6"]]
+    (replica,) = plan(config, resume=resume).replicas
+    assert replica.consumed_prompt_ids == {"s1000-0", "s1000-5", "s1000-6"}  # not s1000-1
+    assert replica.requeued == 1

@@ -160,6 +160,8 @@ class RolloutActor:
         )
         if plan.restore is not None:  # a resumed run's in-flight groups (train_app.inflight)
             self._rollouter.restore(plan.restore)
+        if plan.requeued:  # its share of the checkpoint's queued groups the driver put back
+            self._rollouter.count_requeued(plan.requeued)
         if hold:
             self._rollouter.hold_new_prompts()
         # Drops the queue counted before this replica existed are not its own (a replacement).
@@ -484,13 +486,18 @@ class TrainerActor:
             await self._sink.push_weights(weights, self._trainer.version)
 
     async def _save_inflight(self, checkpoint: Path) -> None:
-        """`PPOTrainer`'s checkpoint hook: every replica's in-flight groups go into the
-        checkpoint directory, so `--resume` continues them (`train_app.inflight`)."""
-        from train_app.inflight import snapshot_replicas
+        """`PPOTrainer`'s checkpoint hook: every replica's in-flight groups, then the groups
+        queued for the trainer, go into the checkpoint directory, so `--resume` continues
+        them (`train_app.inflight`; the order matters, see there)."""
+        from train_app.inflight import snapshot_queue, snapshot_replicas
 
         # The sink knows each replica's current actor (a restarted one's replacement).
         actors = self._sink.actors if self._sink is not None else self._rollout_actors
         await snapshot_replicas(actors, checkpoint)
+        if self._queue is not None:
+            # This trainer is the queue's only reader and is inside its checkpoint: nothing
+            # is taken from the queue until the copy is made.
+            await snapshot_queue(self._queue, checkpoint, self._trainer.version)
         if self._records:
             # Rows the driver has not written yet (it may die before it does): a resume
             # writes those up to the checkpoint's step, so no step's row goes missing.

@@ -32,36 +32,82 @@ restored one. Only more restored groups than one batch can lose some: the second
 version later, and a group exactly k old that finished after the first batch was taken is
 then dropped at delivery like any straggler (counted in `queue/dropped`).
 
-Not saved: groups the rollouters had already put on the queue that the trainer had not taken.
-The queue is not part of a checkpoint; those prompts are not in the consumed set, so a
-resumed run generates them again (their tokens are lost, the prompts are not).
+Queued groups. Groups the rollouters had already put on the queue and the trainer had not
+taken are saved too: after the replicas' snapshots, `snapshot_queue` copies the queue's items
+(`MessageQueueClient.peek_all`: nothing is taken, nothing counted) into `queued.msgpack`
+(`QueuedSnapshot`, written like the in-flight files). At `--resume` the driver reads it
+(`load_queued`), leaves out groups of prompts the checkpoint trained on (and a second group
+of a prompt), and puts the rest back on the new queue (`put_back`), oldest version first,
+before any rollout loop begins: they are the first the trainer takes, with their original
+tokens, versions and log-probs. Every replica's `PromptSource` skips their prompt ids, like
+the restored in-flight ones, and each replica counts its share of them as its own deliveries
+(`Rollouter.count_requeued`), so admission stays within the staleness budget. A queued group
+more than k versions behind the resumed version (k: the resumed run's `max_staleness`) could
+never be trained on: it is dropped, counted (`queue/resume_dropped_stale`,
+`queue/resume_dropped_tokens`; `queue/resume_requeued` counts those put back) and its prompt
+is not skipped, so it is generated again (by the replica whose stream holds it: the same
+replica count as the saved run, as for any prompt not trained on).
+
+Why the queue is copied after the replicas, and what the copy can miss. The trainer is the
+queue's only consumer and it is inside its checkpoint, so nothing leaves the queue while
+the snapshots are taken; the rollouters go on delivering. A group delivered between its
+replica's snapshot and the queue's copy is in both files: the queued copy (finished) wins and
+the in-flight one is left out at the resume. A group admitted after its replica's snapshot
+and delivered before the copy is in the queue file only. A group delivered after the copy is
+in neither as a finished group: if its replica's snapshot held it, it is continued from the
+tokens it had then (those generated after the snapshot are lost, as with any crash after a
+checkpoint); otherwise its prompt was admitted after the snapshot and, not trained on, is
+generated again. No prompt is lost or trained twice either way. (Copying the queue first
+would open a hole: a group delivered between the copy and its replica's snapshot would be in
+neither file, its tokens lost.) What the copy still misses: at a stop (Ctrl-C) the trainer
+abandons a wait for data and the items that get had taken go back to the queue in the
+background; one still on its way back is not copied (its prompt is generated again). A
+queue that does not answer within `SNAPSHOT_TIMEOUT_S` leaves no file: a resume then
+regenerates every queued prompt, as before this file existed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
+import tempfile
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
+from async_queue import QueueItem
 from rollout_engine import GroupSnapshot, RolloutSnapshot, load_snapshot, save_snapshot
+from rollout_engine import Trajectory as RolloutTrajectory
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "INFLIGHT_GLOB",
+    "QUEUED_FILE",
+    "QUEUED_SCHEMA_VERSION",
     "SNAPSHOT_TIMEOUT_S",
+    "QueuedGroups",
+    "QueuedSnapshot",
     "SavedInflight",
+    "SavedQueue",
+    "deal_count",
     "inflight_path",
     "load_inflight",
+    "load_queued",
+    "put_back",
+    "queued_path",
+    "read_queued",
     "redistribute",
     "restored_prompt_ids",
+    "snapshot_queue",
     "snapshot_replicas",
     "without_prompts",
+    "write_queued",
 ]
 
 INFLIGHT_GLOB = "inflight-replica*.msgpack"
@@ -69,6 +115,10 @@ _REPLICA = re.compile(r"inflight-replica(\d+)\.msgpack")
 # One replica's snapshot: an abort-mode pause, the engine settling (at most the rollouter's
 # own settle timeout, 5 s) and the copy back. Past this the checkpoint goes on without it.
 SNAPSHOT_TIMEOUT_S = 30.0
+
+
+QUEUED_FILE = "queued.msgpack"
+QUEUED_SCHEMA_VERSION = 1
 
 
 def inflight_path(checkpoint: str | Path, replica: int) -> Path:
@@ -230,6 +280,219 @@ def without_prompts(
     done = set(prompt_ids)
     groups = [g for g in snapshot.groups if g.sample.prompt_id not in done]
     return msgspec.structs.replace(snapshot, groups=groups) if groups else None
+
+
+# ---------------------------------------------------------------------- the queue's groups
+
+
+class QueuedSnapshot(msgspec.Struct, kw_only=True, frozen=True):
+    """The queue's items at a checkpoint (`queued.msgpack`): finished groups the trainer had
+    not taken, in queue order, each as it was queued (payload: one msgpack-encoded group)."""
+
+    schema_version: int = QUEUED_SCHEMA_VERSION
+    version: int
+    """The trainer's policy version at the checkpoint."""
+    taken_at: float
+    items: list[QueueItem] = []
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> QueuedSnapshot:
+        snapshot = msgspec.msgpack.decode(data, type=cls)
+        if snapshot.schema_version > QUEUED_SCHEMA_VERSION:
+            raise ValueError(
+                f"queued groups of schema {snapshot.schema_version}; this code reads up to "
+                f"{QUEUED_SCHEMA_VERSION}"
+            )
+        return snapshot
+
+
+@dataclass(frozen=True)
+class SavedQueue:
+    """What `snapshot_queue` wrote into one checkpoint."""
+
+    path: Path
+    groups: int
+
+
+@dataclass(frozen=True)
+class QueuedGroups:
+    """What a resume puts back on the queue (`load_queued`); the default: nothing (a new run,
+    or a checkpoint without `queued.msgpack`)."""
+
+    items: tuple[QueueItem, ...] = ()
+    """Oldest version first (queue order among equal versions)."""
+    prompt_ids: frozenset[str] = frozenset()
+    """The prompts of `items`: no replica admits them."""
+    dropped_stale: int = 0
+    """Groups more than k versions behind the resumed version: not put back; their prompts
+    are generated again."""
+    dropped_tokens: int = 0
+    """Generated tokens of those groups."""
+    saved: bool = False
+    """Whether the checkpoint had a queue file at all."""
+
+    @property
+    def tokens(self) -> int:
+        return sum(_generated_tokens(_decode_group(item)) for item in self.items)
+
+
+def queued_path(checkpoint: str | Path) -> Path:
+    """Where the queue's groups are saved in a checkpoint directory."""
+    return Path(checkpoint) / QUEUED_FILE
+
+
+def write_queued(snapshot: QueuedSnapshot, path: str | Path) -> Path:
+    """Write atomically (temporary file, fsync, `os.replace`), as `save_snapshot` writes
+    the in-flight files; blocking file I/O."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(snapshot.encode())
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_queued(path: str | Path) -> QueuedSnapshot:
+    """Read a file written by `write_queued`; blocking file I/O."""
+    return QueuedSnapshot.decode(Path(path).read_bytes())
+
+
+async def snapshot_queue(
+    queue: Any, checkpoint: Path, version: int, timeout_s: float = SNAPSHOT_TIMEOUT_S
+) -> SavedQueue | None:
+    """Copy every item queued now (`peek_all`: they stay queued) into `checkpoint`'s
+    `queued.msgpack`. Call it after `snapshot_replicas` and only while the caller is the
+    queue's sole consumer and is not reading (the module doc says why).
+
+    Never raises for the queue's failure (the checkpoint is still correct without the file:
+    those prompts are generated again at a resume); it is logged and None returned."""
+    try:
+        items = await asyncio.wait_for(queue.peek_all(), timeout_s)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        logger.warning("checkpoint %s: no copy of the queue (%r)", checkpoint.name, exc)
+        return None
+    snapshot = QueuedSnapshot(version=version, taken_at=time.time(), items=items)
+    path = await asyncio.to_thread(write_queued, snapshot, queued_path(checkpoint))
+    logger.info("checkpoint %s: %d queued groups", checkpoint.name, len(items))
+    return SavedQueue(path, len(items))
+
+
+def load_queued(
+    checkpoint: str | Path,
+    *,
+    version: int,
+    max_staleness: int,
+    consumed_prompt_ids: Iterable[str] = (),
+    group_size: int | None = None,
+) -> QueuedGroups:
+    """The queue's groups saved in `checkpoint` that a run resumed at `version` puts back:
+    without groups of prompts already trained on (`consumed_prompt_ids`), a prompt's second
+    group, groups of another `group_size` (warned; their prompts are generated again) and
+    groups too stale (`version - item.version > max_staleness`: the queue would drop them at
+    the first read; counted, their prompts generated again). Oldest version first.
+    Blocking file I/O."""
+    path = queued_path(checkpoint)
+    if not path.exists():
+        return QueuedGroups()
+    snapshot = read_queued(path)
+    skip = set(consumed_prompt_ids)
+    kept: list[QueueItem] = []
+    dropped = dropped_tokens = 0
+    for item in snapshot.items:
+        group = _decode_group(item)
+        prompt_id = (group[0].prompt_id if group else "") or item.item_id
+        if prompt_id in skip:
+            logger.info("queued group of prompt %s: already trained on", prompt_id)
+            continue
+        if group_size is not None and len(group) != group_size:
+            logger.warning(
+                "%s: a group of %d responses, this run makes %d: prompt %s restarts",
+                path,
+                len(group),
+                group_size,
+                prompt_id,
+            )
+            continue
+        if version - item.version > max_staleness:
+            logger.info(
+                "queued group of prompt %s: staleness %d > max_staleness %d; it restarts",
+                prompt_id,
+                version - item.version,
+                max_staleness,
+            )
+            dropped += 1
+            dropped_tokens += _generated_tokens(group)
+            continue
+        skip.add(prompt_id)
+        kept.append(item)
+    kept.sort(key=lambda item: item.version)  # stable: queue order among equal versions
+    return QueuedGroups(
+        items=tuple(kept),
+        prompt_ids=frozenset(_prompt_id(item) for item in kept),
+        dropped_stale=dropped,
+        dropped_tokens=dropped_tokens,
+        saved=True,
+    )
+
+
+async def put_back(queue: Any, items: Sequence[QueueItem], room: int) -> asyncio.Task[None] | None:
+    """Put a resume's queued groups on the new queue, in order: the first `room` (the queue's
+    maxsize) before this returns, so they are ahead of anything a rollouter delivers; the
+    rest (a resumed run with a smaller queue) in a task that waits for room as the trainer
+    takes items (returned; None when everything fit)."""
+    head, tail = list(items[:room]), list(items[room:])
+    if head:
+        await queue.put_many(head)
+    if not tail:
+        return None
+    logger.warning("%d queued groups wait for room in the resumed run's queue", len(tail))
+    task = asyncio.ensure_future(queue.put_many(tail))
+    task.add_done_callback(_log_failed_put)
+    return task
+
+
+def _log_failed_put(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("queued groups not put back: %r", task.exception())
+
+
+def deal_count(count: int, shares: Sequence[int]) -> list[int]:
+    """`count` split over replicas in proportion to their `shares` (each next one to the
+    replica with the fewest per share, ties to the lower index): how many put-back groups
+    each replica counts as its own deliveries."""
+    dealt = [0] * len(shares)
+    for _ in range(count):
+        target = min(range(len(shares)), key=lambda i: (dealt[i] / shares[i], i))
+        dealt[target] += 1
+    return dealt
+
+
+_trajectories = msgspec.msgpack.Decoder(list[RolloutTrajectory])
+
+
+def _decode_group(item: QueueItem) -> list[RolloutTrajectory]:
+    return _trajectories.decode(item.payload)
+
+
+def _prompt_id(item: QueueItem) -> str:
+    group = _decode_group(item)
+    return (group[0].prompt_id if group else "") or item.item_id
+
+
+def _generated_tokens(group: Sequence[RolloutTrajectory]) -> int:
+    return sum(t.num_generated for t in group)
 
 
 async def _await(ref: Any) -> Any:

@@ -39,7 +39,7 @@ from rollout_engine.rollouter import RolloutConfig
 from rollout_engine.vllm_engine import VLLMEngineConfig
 
 from train_app.config import TrainConfig, parse_resources
-from train_app.inflight import redistribute, restored_prompt_ids
+from train_app.inflight import QueuedGroups, deal_count, redistribute, restored_prompt_ids
 
 __all__ = [
     "DP_STRATEGY",
@@ -77,15 +77,17 @@ DP_TIMEOUT_S = 600.0
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a resumed run continues (defaults: a new run): its checkpoint directory, step,
-    policy version, the prompt ids it already trained on and the rollouters' in-flight
+    policy version, the prompt ids it already trained on, the rollouters' in-flight
     groups saved with it (`train_app.inflight.load_inflight`; one snapshot per saved
-    replica, dealt to the resumed run's replicas by `plan`)."""
+    replica, dealt to the resumed run's replicas by `plan`) and the queue's groups the
+    driver puts back (`train_app.inflight.load_queued`)."""
 
     checkpoint: str | None = None
     step: int | None = None
     version: int = 0
     consumed_prompt_ids: frozenset[str] = frozenset()
     inflight: tuple[RolloutSnapshot, ...] = ()
+    queued: QueuedGroups = field(default_factory=QueuedGroups)
 
 
 @dataclass(frozen=True)
@@ -103,9 +105,9 @@ class ReplicaPlan:
     prompt_seed: int
     """Seed of this replica's prompt stream (distinct per replica: no prompt twice)."""
     consumed_prompt_ids: frozenset[str]
-    """Prompts this replica's `PromptSource` skips at a resume: those trained on before it
-    and those continued from the checkpoint's in-flight groups (every replica's: ids never
-    repeat across seeds)."""
+    """Prompts this replica's `PromptSource` skips at a resume: those trained on before it,
+    those continued from the checkpoint's in-flight groups and those of its queued groups put
+    back on the queue (every replica's: ids never repeat across seeds)."""
     rollout: RolloutConfig
     engine: Any
     """The engine's configuration: a `VLLMEngineConfig` (tests may put a
@@ -122,6 +124,9 @@ class ReplicaPlan:
     resources: Mapping[str, float] = field(default_factory=dict)
     """Ray resources of this actor beyond the default one CPU (`--rollout-resources`; see
     `actor_options`)."""
+    requeued: int = 0
+    """Groups of the resumed checkpoint's queue put back on the queue that count as this
+    replica's deliveries in its admission budget (`Rollouter.count_requeued`; its share)."""
 
 
 @dataclass(frozen=True)
@@ -241,7 +246,8 @@ def plan(
     k = config.effective_staleness
     shares = split_batch(config.batch_size, config.rollout_replicas)
     restores = redistribute(resume.inflight, shares)
-    skip = resume.consumed_prompt_ids | restored_prompt_ids(restores)
+    skip = resume.consumed_prompt_ids | restored_prompt_ids(restores) | resume.queued.prompt_ids
+    requeued = deal_count(len(resume.queued.items), shares)
     pin = (
         config.rollout_replicas == 1
         and cpu_count >= 1 + config.trainer_workers
@@ -286,6 +292,7 @@ def plan(
             failures_path=str((run_dir / "failures.jsonl").resolve()),
             restore=restores[i],
             resources=parse_resources(config.rollout_resources),
+            requeued=requeued[i],
         )
         for i, share in enumerate(shares)
     )

@@ -48,7 +48,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from train_app.config import TrainConfig, to_toml
-from train_app.inflight import load_inflight, without_prompts
+from train_app.inflight import load_inflight, load_queued, put_back, without_prompts
 from train_app.outputs import MetricsWriter, plot_run, print_summary
 from train_app.plan import (
     MAX_MODEL_LEN_CAP,
@@ -547,6 +547,8 @@ class _Session:
         self.groups: dict[str, Any] = {}  # summary.json's `groups` (see _account_groups)
         self.rollout_restarts = 0
         self._starting: list[Any] = []  # replacement rollouters not yet in `rollouts`
+        # Queued groups of a resumed checkpoint still waiting for room (see put_back).
+        self._put_back_tail: asyncio.Task[None] | None = None
         # Seconds of each start-up phase (summary.json's `startup`): prepare (model, plan)
         # and ray (start or join) side by side, prepare_and_ray (both); actors (engines and
         # the trainer's model load side by side; engine and trainer_load are each one's
@@ -562,6 +564,7 @@ class _Session:
         self._write_pending_rows()
         self._kept_records = len(self.records)  # rows of a resumed run's earlier steps
         self.queue = _create_queue(self.plan)
+        await self._put_back_queued()
         self.rollouts = _create_rollouters(self.plan, self.queue)
         self.trainers = _create_trainers(self.plan, self.queue, self.rollouts)
         self.trainer = self.trainers[0]
@@ -575,6 +578,25 @@ class _Session:
         before = self.timings.get("prepare_and_ray_s", 0.0)
         self.timings["to_training_s"] = before + train_started - t0
         return self._finish(trainer_summary, train_s)
+
+    async def _put_back_queued(self) -> None:
+        """A resumed run: the groups its checkpoint's queue held go back on the new queue
+        before any rollout loop begins, so the trainer takes them first
+        (`train_app.inflight`)."""
+        items = self.plan.resume.queued.items
+        if not items:
+            return
+        self._put_back_tail = await put_back(self.queue, items, self.plan.queue_maxsize)
+        logger.info("put %d queued groups of the checkpoint back on the queue", len(items))
+
+    def _requeued(self) -> int:
+        """Groups `_put_back_queued` has put on the queue so far (the queue's `produced`
+        counts them; no rollouter delivered them)."""
+        items = len(self.plan.resume.queued.items)
+        tail = self._put_back_tail
+        if tail is None or (tail.done() and not tail.cancelled() and tail.exception() is None):
+            return items
+        return min(items, self.plan.queue_maxsize)
 
     async def _start_actors(self) -> None:
         """Start every engine and load the trainer's model at the same time (they need
@@ -646,7 +668,8 @@ class _Session:
         rollouters delivered what the queue received; the queue's items were consumed,
         dropped or are still queued; the trainer trained on or dropped what it consumed.
         After a rollouter restart the replaced replicas' deliveries are the queue's excess
-        (`delivered_by_replaced_replicas`): their own counters are gone with them."""
+        (`delivered_by_replaced_replicas`): their own counters are gone with them. The
+        queue's `produced` also counts a resume's groups the driver put back (`requeued`)."""
         # A stopped run takes one snapshot: the user asked to stop, not to wait.
         deadline = time.monotonic() + (SETTLE_S if self.stopper.signum is None else 0.0)
         previous: dict[str, int] | None = None
@@ -669,6 +692,7 @@ class _Session:
         except Exception as exc:  # bookkeeping only: never fails a finished run
             return {"settled": False, "error": f"the queue did not report its counts: {exc!r}"}
         queue = {
+            "requeued": self._requeued(),  # a resume's groups, put back by the driver
             "produced": stats.produced,
             "consumed": stats.consumed,
             "dropped": stats.dropped_total,
@@ -681,11 +705,13 @@ class _Session:
         if self.rollout_restarts:
             # A replaced replica's counters died with it; what it delivered is what the queue
             # received beyond the live replicas' deliveries.
-            rollout["delivered_by_replaced_replicas"] = queue["produced"] - rollout["delivered"]
+            rollout["delivered_by_replaced_replicas"] = (
+                queue["produced"] - queue["requeued"] - rollout["delivered"]
+            )
             rollout["replaced"] = self.rollout_restarts
         delivered = rollout["delivered"] + rollout.get("delivered_by_replaced_replicas", 0)
         balanced = (
-            delivered == queue["produced"]
+            delivered + queue["requeued"] == queue["produced"]
             and rollout.get("delivered_by_replaced_replicas", 0) >= 0
             and queue["produced"] == queue["consumed"] + queue["dropped"] + queue["size"]
             and queue["consumed"] == trainer["trained"] + trainer["dropped"]
@@ -827,7 +853,8 @@ class _Session:
                 # Restored partials (a resumed run) its predecessor had not delivered are
                 # continued again; the rest are in training or the queue already.
                 restore = without_prompts(base.restore, skip - base.consumed_prompt_ids)
-                replica_plan = replace(base, consumed_prompt_ids=skip, restore=restore)
+                # Its predecessor's share of a resume's put-back groups was counted by it.
+                replica_plan = replace(base, consumed_prompt_ids=skip, restore=restore, requeued=0)
                 options = actor_options(replica_plan.resources)
                 actor = RolloutActor.options(**options).remote(replica_plan, self.queue)
                 self._starting.append(actor)
@@ -878,6 +905,11 @@ class _Session:
         for step, metrics in records:
             record = {**self.rollout_metrics, **queue_metrics, **metrics}
             record["rollout/restarts"] = float(self.rollout_restarts)
+            queued = self.plan.resume.queued
+            if queued.saved:  # what a resume did with its checkpoint's queued groups
+                record["queue/resume_requeued"] = float(len(queued.items))
+                record["queue/resume_dropped_stale"] = float(queued.dropped_stale)
+                record["queue/resume_dropped_tokens"] = float(queued.dropped_tokens)
             self.writer.log(record, step)
             self.records.append({"step": step, **record})
 
@@ -958,6 +990,8 @@ class _Session:
 
     async def shutdown(self) -> None:
         """Stop engines and actors; safe to call after a failure or Ctrl-C."""
+        if self._put_back_tail is not None:
+            self._put_back_tail.cancel()
         await asyncio.gather(
             *(_quietly(asyncio.wait_for(_await(a.stop.remote()), 20)) for a in self.rollouts)
         )
@@ -1052,8 +1086,8 @@ def _create_trainers(run_plan: RunPlan, queue: Any, rollouts: list[Any]) -> list
 
 
 def _resume_point(config: TrainConfig, run_dir: Path) -> ResumePoint:
-    """The checkpoint of a run to resume (its `latest`) and the in-flight groups saved with
-    it (`train_app.inflight`), read without torch."""
+    """The checkpoint of a run to resume (its `latest`), the in-flight groups and the queue's
+    groups saved with it (`train_app.inflight`), read without torch."""
     if config.resume is None:
         return ResumePoint()
     from ppo_trainer import read_checkpoint_meta
@@ -1068,8 +1102,21 @@ def _resume_point(config: TrainConfig, run_dir: Path) -> ResumePoint:
             "(schema 3), so the prompts it trained on are unknown; start a new run"
         )
     prompts = frozenset(meta.consumed_prompt_ids)
-    inflight = load_inflight(checkpoint, consumed_prompt_ids=prompts, group_size=config.group_size)
-    return ResumePoint(str(checkpoint.resolve()), meta.step, meta.version, prompts, inflight)
+    queued = load_queued(
+        checkpoint,
+        version=meta.version,
+        max_staleness=config.effective_staleness,
+        consumed_prompt_ids=prompts,
+        group_size=config.group_size,
+    )
+    # A group delivered between its replica's snapshot and the queue's copy is in both: the
+    # finished, queued one is put back and the in-flight one left out.
+    inflight = load_inflight(
+        checkpoint, consumed_prompt_ids=prompts | queued.prompt_ids, group_size=config.group_size
+    )
+    return ResumePoint(
+        str(checkpoint.resolve()), meta.step, meta.version, prompts, inflight, queued
+    )
 
 
 def _actor_died(exc: BaseException | None) -> bool:
