@@ -13,9 +13,14 @@ only the torch step; `test_inflight_run.py` runs it for real). The checkpoint is
 the trainer's `on_checkpoint` hook takes it (`snapshot_replicas` into a checkpoint
 directory); the "crash" is killing every actor right after it.
 
+The second test does the same for the groups the queue held at the checkpoint
+(`snapshot_queue`, then `load_queued` and `put_back` as `run` does): they reach the batch
+source first and exactly as queued; a too-stale one is dropped, counted and generated again.
+
 Cost: one local Ray cluster, then three rollout actors (imports of transformers and the
 task; no torch step, no vLLM) over two phases: 160 s measured with the 2 cores shared by a
-load of 12 (Ray's start alone took 39 s of it).
+load of 12 (Ray's start alone took 39 s of it). The second test (slow) adds two rollout
+actors: 72-118 s alone, the file 168 s at a load of 7-8 (2026-12-04).
 """
 
 from __future__ import annotations
@@ -33,10 +38,21 @@ import ray
 from async_queue import MessageQueueClient
 from ppo_trainer import Trajectory
 from rollout_engine import RolloutSnapshot
+from rollout_engine import Trajectory as RolloutTrajectory
 from rollout_engine.testing import FakeEngineConfig
 from train_app.actors import RolloutActor
 from train_app.config import TrainConfig
-from train_app.inflight import load_inflight, snapshot_replicas
+from train_app.inflight import (
+    QueuedSnapshot,
+    load_inflight,
+    load_queued,
+    put_back,
+    queued_path,
+    read_queued,
+    snapshot_queue,
+    snapshot_replicas,
+    write_queued,
+)
 from train_app.plan import ResumePoint, RunPlan, plan
 from train_app.run import WORKER_ENV, _start_local_ray
 from train_app.tiny_model import build_tiny_qwen2
@@ -71,7 +87,9 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         ray.shutdown()
 
 
-def _plan(run_dir: Path, model_dir: Path, replicas: int, resume: ResumePoint) -> RunPlan:
+def _plan(
+    run_dir: Path, model_dir: Path, replicas: int, resume: ResumePoint, length: int = 40
+) -> RunPlan:
     config = TrainConfig(
         runs_dir=run_dir, rollout_replicas=replicas, batch_size=BATCH, group_size=2,
         max_staleness=K, max_tokens=MAX_TOKENS, pause_mode="abort",
@@ -84,7 +102,7 @@ def _plan(run_dir: Path, model_dir: Path, replicas: int, resume: ResumePoint) ->
                 seed=r.replica + 10 * replicas,
                 vocab_size=20,
                 eos_token_id=1,
-                fixed_length=40,  # ~0.4 s a response: a checkpoint always finds partials
+                fixed_length=length,  # 40: ~0.4 s a response, a checkpoint finds partials
                 time_per_token_s=0.01,
                 initial_version=r.engine.initial_version,
             ),
@@ -240,3 +258,104 @@ async def test_tokens_in_flight_at_a_checkpoint_reach_training_after_a_resume(
     # No prompt trained twice over both lives (the staleness bound was checked at each step).
     every = _prompt_ids(first.trained) + _prompt_ids(second.trained)
     assert len(every) == len(set(every))
+
+
+def _aged(item: Any, version: int) -> Any:
+    """`item` as if every token of its group had been generated at `version`."""
+    group = msgspec.msgpack.decode(item.payload, type=list[RolloutTrajectory])
+    group = [
+        msgspec.structs.replace(t, token_versions=[version] * len(t.token_versions)) for t in group
+    ]
+    return msgspec.structs.replace(item, payload=msgspec.msgpack.encode(group), version=version)
+
+
+@pytest.mark.slow
+async def test_groups_queued_at_a_checkpoint_reach_training_after_a_resume_as_they_were(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    """The groups the trainer had not taken yet are copied at the checkpoint (after the
+    replicas' snapshots, as the trainer's hook does) and a resume puts them back first: each
+    reaches the trainer's batch source with exactly its saved tokens, log-probs and versions.
+    One made too stale is dropped, counted and its prompt generated afresh; the replica counts
+    the put-back groups in its admission budget, so nothing new is dropped as too stale.
+
+    Fails without the budget count (`Rollouter.count_requeued`): 7 groups dropped as too
+    stale. Cost: see the module doc."""
+    model_dir = await asyncio.to_thread(build_tiny_qwen2, tmp_path / "model", seed=0)
+    checkpoint = tmp_path / "checkpoints" / f"step_{STEPS_BEFORE:06d}"
+
+    # The first life: short responses (40 ms), so the rollouter fills the queue up to its
+    # staleness budget while the trainer is at its checkpoint.
+    first = _Phase(_plan(tmp_path, model_dir, 1, ResumePoint(), length=4), version=0)
+    await first.start()
+    for _ in range(STEPS_BEFORE):
+        await first.step()
+    # Admission allows (k + 1) batches beyond those consumed: wait until they are all queued.
+    async with asyncio.timeout(60):
+        while await first.queue.size() < (K + 1) * BATCH:
+            await asyncio.sleep(0.05)
+    await snapshot_replicas(first.actors, checkpoint)
+    saved = await snapshot_queue(first.queue, checkpoint, first.version)
+    await first.kill()
+    resume_version = first.version
+    assert saved is not None and saved.groups == (K + 1) * BATCH, saved
+    consumed = frozenset(_prompt_ids(first.trained))
+
+    # One queued group is made too stale to be trained on (as if generated k + 1 versions
+    # before the resumed version): it must be dropped, counted and its prompt generated again.
+    file = read_queued(queued_path(checkpoint))
+    stale = file.items[0]
+    aged = _aged(stale, resume_version - K - 1)
+    items = [aged, *file.items[1:]]
+    write_queued(QueuedSnapshot(version=file.version, taken_at=file.taken_at, items=items),
+                 queued_path(checkpoint))  # fmt: skip
+
+    # The resume, as `run` does it: load both files, put the queued groups back, then start.
+    queued = load_queued(
+        checkpoint, version=resume_version, max_staleness=K, consumed_prompt_ids=consumed,
+        group_size=2,
+    )  # fmt: skip
+    assert (len(queued.items), queued.dropped_stale) == (len(items) - 1, 1)
+    assert queued.dropped_tokens == sum(t.num_generated for t in _group_of(aged))
+    inflight = load_inflight(checkpoint, consumed_prompt_ids=consumed | queued.prompt_ids,
+                             group_size=2)  # fmt: skip
+    resume = ResumePoint(str(checkpoint), STEPS_BEFORE, resume_version, consumed, inflight,
+                         queued)  # fmt: skip
+    second_plan = _plan(tmp_path, model_dir, 1, resume, length=4)
+    assert second_plan.replicas[0].requeued == len(queued.items)
+    assert stale.item_id not in second_plan.replicas[0].consumed_prompt_ids
+    second = _Phase(second_plan, version=resume_version)
+    assert await put_back(second.queue, queued.items, second_plan.queue_maxsize) is None
+    await second.start()
+    # Four steps: the put-back groups fill the first two batches, so a replica that did not
+    # count them would have admitted groups that the third and fourth find too stale.
+    wanted = set(queued.prompt_ids) | {stale.item_id}
+    while second.version < resume_version + 4 or (
+        not wanted <= set(_prompt_ids(second.trained)) and second.version < resume_version + 8
+    ):
+        await second.step()
+    stale_drops = (await second.queue.stats()).dropped.get("stale", 0)
+    await second.kill()
+
+    # The put-back groups were the first trained, each exactly as it was queued.
+    first_trained = second.trained[: len(queued.items)]
+    assert _prompt_ids(first_trained) == [i.item_id for i in queued.items]
+    for item, group in zip(queued.items, first_trained, strict=True):
+        for saved_t, trained_t in zip(_group_of(item), group, strict=True):
+            assert trained_t.group_id == saved_t.group_id
+            assert trained_t.response_ids == saved_t.response_ids
+            assert trained_t.behaviour_logprobs == saved_t.behaviour_logprobs
+            assert trained_t.token_versions == saved_t.token_versions  # original versions
+    assert any(min(g[0].token_versions) < resume_version for g in first_trained)
+    # The too-stale one: generated again after the resume, trained once.
+    fresh = {g[0].prompt_id: g for g in second.trained}[stale.item_id]
+    assert fresh[0].group_id != _group_of(stale)[0].group_id
+    assert all(min(t.token_versions) >= resume_version for t in fresh)
+    # The budget counted the put-back groups: no new group went past the staleness bound.
+    assert stale_drops == 0
+    every = _prompt_ids(first.trained) + _prompt_ids(second.trained)
+    assert len(every) == len(set(every))
+
+
+def _group_of(item: Any) -> list[RolloutTrajectory]:
+    return msgspec.msgpack.decode(item.payload, type=list[RolloutTrajectory])
