@@ -26,12 +26,20 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from ppo_trainer import read_checkpoint_meta
 from rich.console import Console
+from rollout_engine import Trajectory as RolloutTrajectory
 from rollout_engine.testing import FakeEngineConfig
 from train_app.config import TrainConfig
-from train_app.inflight import load_inflight
+from train_app.inflight import (
+    load_inflight,
+    load_queued,
+    queued_path,
+    read_queued,
+    write_queued,
+)
 from train_app.plan import RunPlan
 from train_app.run import WORKER_ENV, _start_local_ray, run
 
@@ -107,7 +115,11 @@ def test_resume_continues_the_checkpoints_partials_in_another_replica_count(
         names = {p.name for p in (run_dir / "checkpoints" / f"step_{step:06d}").iterdir()}
         assert {"inflight-replica0.msgpack", "inflight-replica1.msgpack"} <= names
     meta = read_checkpoint_meta(latest)
-    saved = load_inflight(latest, consumed_prompt_ids=meta.consumed_prompt_ids, group_size=2)
+    # What the resume continues: the in-flight groups less those also queued (put back).
+    queued = load_queued(latest, version=meta.version, max_staleness=K,
+                         consumed_prompt_ids=meta.consumed_prompt_ids, group_size=2)  # fmt: skip
+    skip = set(meta.consumed_prompt_ids) | queued.prompt_ids
+    saved = load_inflight(latest, consumed_prompt_ids=skip, group_size=2)
     groups = [g for s in saved for g in s.groups]
     assert groups and sum(g.generated_tokens for g in groups) > 0, saved
     partial_ids = {g.sample.prompt_id for g in groups}
@@ -132,3 +144,84 @@ def test_resume_continues_the_checkpoints_partials_in_another_replica_count(
         assert not missing, (missing, after[-1]["queue/dropped"])
     assert len(missing) <= after[-1]["queue/dropped"], (missing, after[-1]["queue/dropped"])
     assert len(list(latest.glob("inflight-replica*.msgpack"))) == 3  # the resumed run's
+
+
+def _short_responses(run_plan: RunPlan) -> RunPlan:
+    """FakeEngines with 4-token responses at 10 ms a token: generation outruns the trainer,
+    so at a checkpoint the queue holds every group admission allows."""
+    eos = run_plan.replicas[0].rollout.sampling.stop_token_ids[0]
+    replicas = tuple(
+        dataclasses.replace(
+            r,
+            engine=FakeEngineConfig(
+                seed=r.replica,
+                vocab_size=20,
+                eos_token_id=eos,
+                fixed_length=4,
+                time_per_token_s=0.01,
+                initial_version=r.engine.initial_version,
+            ),
+        )
+        for r in run_plan.replicas
+    )
+    return dataclasses.replace(run_plan, replicas=replicas)
+
+
+def test_resume_trains_the_groups_the_queue_held_at_the_checkpoint(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    """A whole run: its checkpoint holds `queued.msgpack` (the trainer's hook); `--resume`
+    puts those groups back and trains them (the very groups: their first-life group ids,
+    not regenerated ones), drops and counts one made too stale and trains its prompt anew,
+    and trains no prompt twice.
+
+    Cost: two runs (1 replica, 3 steps; resumed to 6) on the shared cluster: ~2-5 min on a
+    loaded machine. Fails without the queue's copy (no `queued.msgpack`)."""
+    config = TrainConfig(
+        runs_dir=tmp_path, name="queued", steps=3, batch_size=4, group_size=2,
+        max_staleness=K, rollout_replicas=1, max_tokens=8, checkpoint_every=3,
+        progress=False, lr_schedule="constant",
+    )  # fmt: skip
+    run_dir = run(config, Console(file=io.StringIO()), adjust_plan=_short_responses).run_dir
+    latest = run_dir / "checkpoints" / "latest"
+    meta = read_checkpoint_meta(latest)
+    file = read_queued(queued_path(latest))
+    assert file.version == meta.version == 3
+    assert file.items, "the queue held no group at the checkpoint"
+    # The oldest queued group, made k + 1 versions old: it must be dropped, its prompt regenerated.
+    stale = file.items[0]
+    group = msgspec.msgpack.decode(stale.payload, type=list[RolloutTrajectory])
+    aged_group = [
+        msgspec.structs.replace(t, token_versions=[meta.version - K - 1] * len(t.token_versions))
+        for t in group
+    ]
+    aged = msgspec.structs.replace(
+        stale, payload=msgspec.msgpack.encode(aged_group), version=meta.version - K - 1
+    )
+    write_queued(msgspec.structs.replace(file, items=[aged, *file.items[1:]]), queued_path(latest))
+    put_back = load_queued(latest, version=meta.version, max_staleness=K,
+                           consumed_prompt_ids=meta.consumed_prompt_ids, group_size=2)  # fmt: skip
+    assert put_back.dropped_stale == 1 and len(put_back.items) == len(file.items) - 1
+    saved_group_ids = {
+        msgspec.msgpack.decode(i.payload, type=list[RolloutTrajectory])[0].group_id
+        for i in put_back.items
+    }
+
+    resumed = dataclasses.replace(config, resume=run_dir, steps=6)
+    run(resumed, Console(file=io.StringIO()), adjust_plan=_short_responses)
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert all(r["staleness/max"] <= K for r in records)
+    final = read_checkpoint_meta(latest)
+    trained_groups = set(final.consumed_group_ids)
+    assert saved_group_ids <= trained_groups  # trained as they were queued, not regenerated
+    assert stale.item_id in final.consumed_prompt_ids  # generated again and trained
+    assert group[0].group_id not in trained_groups
+    assert len(final.consumed_group_ids) == len(set(final.consumed_prompt_ids)) == 6 * 4
+    last = records[-1]
+    assert last["queue/resume_requeued"] == len(put_back.items)
+    assert last["queue/resume_dropped_stale"] == 1
+    assert last["queue/resume_dropped_tokens"] == sum(t.num_generated for t in group)
+    summary = json.loads((run_dir / "summary.json").read_text())["groups"]
+    assert summary["queue"]["requeued"] == len(put_back.items)
+    assert summary["balanced"] or not summary["settled"], summary

@@ -146,12 +146,19 @@ def test_resume_continues_without_consuming_a_sample_twice(tmp_path: Path) -> No
     assert code == 0, out[-4000:]
     first = _records(run_dir)
     from ppo_trainer import read_checkpoint_meta
-    from train_app.inflight import load_inflight
+    from train_app.inflight import load_inflight, load_queued
 
-    # The checkpoint holds the engine's in-flight partials; the resume continues them.
+    # The checkpoint holds the engine's in-flight partials and the queue's groups; the resume
+    # continues the former and puts the latter back (a group in both is put back).
     latest = run_dir / "checkpoints" / "latest"
     assert (latest / "inflight-replica0.msgpack").exists()
-    consumed = read_checkpoint_meta(latest).consumed_prompt_ids
+    assert (latest / "queued.msgpack").exists()
+    meta = read_checkpoint_meta(latest)
+    consumed = set(meta.consumed_prompt_ids)
+    queued = load_queued(
+        latest, version=meta.version, max_staleness=2, consumed_prompt_ids=consumed
+    )
+    consumed |= queued.prompt_ids
     saved = [g for s in load_inflight(latest, consumed_prompt_ids=consumed) for g in s.groups]
     code, out = _finish(
         subprocess.Popen(
@@ -166,6 +173,7 @@ def test_resume_continues_without_consuming_a_sample_twice(tmp_path: Path) -> No
     records = _records(run_dir)
     assert [r["step"] for r in records] == [*range(1, 7), 7, 8, 9]
     assert records[6]["trainer/version"] >= first[-1]["trainer/version"]
+    assert records[-1]["queue/resume_requeued"] == len(queued.items)
     if saved:
         assert records[-1]["rollout/resume_restored"] == len(saved)
         assert records[-1]["rollout/resume_dropped_stale"] == 0

@@ -3,8 +3,9 @@
 A task's `prompts(seed)` is an endless, seeded (so reproducible) stream. What a resumed run
 must not generate again is exactly what the trainer consumed before the checkpoint: the
 `prompt_id`s its trajectories carried (`PPOTrainer.consumed_prompt_ids`, stored in the
-checkpoint). Prompts admitted but not consumed before the interruption were lost with the
-old queue, so they are generated again. A position in the stream (what a source without a
+checkpoint), plus the prompts a resume continues or puts back on the queue from the
+checkpoint (`train_app.inflight`). Any other prompt admitted but not consumed before the
+interruption is generated again. A position in the stream (what a source without a
 queue in front of it would checkpoint) cannot express that, so the state is the seed and the
 set of consumed prompt ids.
 """
