@@ -409,6 +409,7 @@ def load_queued(
     snapshot = read_queued(path)
     skip = set(consumed_prompt_ids)
     kept: list[QueueItem] = []
+    kept_prompts: set[str] = set()
     dropped = dropped_tokens = 0
     for item in snapshot.items:
         group = _decode_group(item)
@@ -436,11 +437,12 @@ def load_queued(
             dropped_tokens += _generated_tokens(group)
             continue
         skip.add(prompt_id)
+        kept_prompts.add(prompt_id)
         kept.append(item)
     kept.sort(key=lambda item: item.version)  # stable: queue order among equal versions
     return QueuedGroups(
         items=tuple(kept),
-        prompt_ids=frozenset(_prompt_id(item) for item in kept),
+        prompt_ids=frozenset(kept_prompts),
         dropped_stale=dropped,
         dropped_tokens=dropped_tokens,
         saved=True,
@@ -484,11 +486,6 @@ _trajectories = msgspec.msgpack.Decoder(list[RolloutTrajectory])
 
 def _decode_group(item: QueueItem) -> list[RolloutTrajectory]:
     return _trajectories.decode(item.payload)
-
-
-def _prompt_id(item: QueueItem) -> str:
-    group = _decode_group(item)
-    return (group[0].prompt_id if group else "") or item.item_id
 
 
 def _generated_tokens(group: Sequence[RolloutTrajectory]) -> int:
