@@ -46,7 +46,10 @@ more than k versions behind the resumed version (k: the resumed run's `max_stale
 never be trained on: it is dropped, counted (`queue/resume_dropped_stale`,
 `queue/resume_dropped_tokens`; `queue/resume_requeued` counts those put back) and its prompt
 is not skipped, so it is generated again (by the replica whose stream holds it: the same
-replica count as the saved run, as for any prompt not trained on).
+replica count as the saved run, as for any prompt not trained on). The put-back groups are
+trained before the restored in-flight ones, as they were ahead of them in the saved run: a
+restored group exactly k versions old behind more than a batch of them is dropped at
+delivery (counted in `queue/dropped`), as it would have been without the interruption.
 
 Why the queue is copied after the replicas, and what the copy can miss. The trainer is the
 queue's only consumer and it is inside its checkpoint, so nothing leaves the queue while
