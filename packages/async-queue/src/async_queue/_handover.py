@@ -9,8 +9,8 @@ headers plus (its own actor handle, the token). The queue actor then calls
 this process, pops the payloads and returns (their count, the payloads). The queue actor is
 that call's caller, so it owns the returned payload object (Ray: a call's return values are
 owned by its caller), which this process writes once into its node's object store, where it
-outlives this process. One write instead of today's two (`ray.put` here, then the re-owning
-copy of `actor.PayloadAdopter`).
+outlives this process. One write instead of the copying path's two (`ray.put` here, then
+the re-owning copy of `actor.PayloadAdopter`).
 
 The client removes its token when the put call ends, however it ends (`release`): a put that
 failed or was cancelled before the hand-over leaves nothing here, and a hand-over that comes

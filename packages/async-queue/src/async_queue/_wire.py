@@ -91,7 +91,9 @@ class ByRef(NamedTuple):
     header: bytes
     ref: ray.ObjectRef
     index: int
-    adopt: bool = True  # the queue actor re-owns the payload (by_ref_owner "queue")
+    # The queue actor must re-own (copy) the payload: a `ray.put` of a by_ref_owner "queue"
+    # client. False when the producer owns it, or when the queue actor already does (pulled).
+    adopt: bool = True
 
 
 class Pulled(NamedTuple):
