@@ -11,7 +11,12 @@ its peak RSS (VmHWM).
 
 How each side is driven (its natural API, and the baseline's best use of it):
 - async_queue: async actors, `await client.put/put_many`, `await client.get_batch(n)`;
-  a full queue makes the producer wait inside the actor, an empty one the consumer.
+  a full queue makes the producer wait inside the actor, an empty one the consumer. The
+  producer is an async Ray actor, as the app's rollouters are (`train_app.actors.RolloutActor`,
+  async, `max_concurrency=64`), so by-ref payloads take async_queue's pulled path (the queue
+  actor takes them from the producer: one write into the object store). The "copied" row
+  (`by_ref_pull=False`) is the path of a producer that is not such an actor (a driver, a task,
+  a `max_concurrency=1` actor): `ray.put` plus the queue actor's re-owning copy.
 - ray.util.queue.Queue, single: an async producer actor, `await q.put_async(item)`.
 - ray.util.queue.Queue, batched: its batch calls are synchronous (`put_nowait_batch`,
   `get_nowait_batch`), so they run in plain (threaded) actors. The producer retries after
@@ -59,9 +64,15 @@ class Case:
     items: int
     maxsize: int
     rounds: int = 1
-    # async_queue's by_ref_owner. "producer" cases run async_queue only and compare with the
-    # ray queue's row of the same case (ray's queue has no such choice).
+    # async_queue's by_ref_owner and by_ref_pull. Variants ("producer", or pull False) run
+    # async_queue only and compare with the ray queue's row of the same case (ray's queue has
+    # no such choice).
     owner: str = "queue"
+    pull: bool = True
+
+    @property
+    def variant(self) -> bool:
+        return self.owner != "queue" or not self.pull
 
     @property
     def label(self) -> str:
@@ -69,19 +80,22 @@ class Case:
         size = f"{kib // 1024} MiB" if kib >= 1024 else f"{kib} KiB"
         mode = f"batched x{self.batch}" if self.batch > 1 else f"single x{SINGLE_WINDOW} tasks"
         owned = " producer-owned" if self.owner == "producer" else ""
-        return f"{size} {mode}{owned}"
+        copied = " copied" if self.owner == "queue" and not self.pull else ""
+        return f"{size} {mode}{owned}{copied}"
 
     @property
     def baseline_label(self) -> str:
         """The ray queue row this case is compared with."""
-        return dataclasses.replace(self, owner="queue").label
+        return dataclasses.replace(self, owner="queue", pull=True).label
 
     @property
     def key(self) -> str:
         mode = "batched" if self.batch > 1 else "single"
         kib = self.payload_bytes // 1024
         key = f"{mode}_{kib // 1024}m" if kib >= 1024 else f"{mode}_{kib}k"
-        return f"{key}_producer_owned" if self.owner == "producer" else key
+        if self.owner == "producer":
+            return f"{key}_producer_owned"
+        return key if self.pull else f"{key}_copied"
 
     @property
     def get_batch(self) -> int:
@@ -106,17 +120,22 @@ def _cases(quick: bool) -> list[Case]:
 
     # 64 x 1 KiB keeps each call under Ray's 100 KiB inline limit (bigger goes via plasma).
     # 4 MiB: 256 items = 1 GiB through each queue (the RSS figure is for that much).
+    big_items = 256 if not quick else 64
     return [
         Case(payload_bytes=1024, batch=64, items=n(8_000), maxsize=512, rounds=3),
         Case(payload_bytes=1024, batch=1, items=n(4_000), maxsize=512),
         Case(payload_bytes=256 * 1024, batch=8, items=n(400), maxsize=32),
         Case(payload_bytes=256 * 1024, batch=1, items=n(200), maxsize=32),
-        Case(payload_bytes=4 * 2**20, batch=8, items=256 if not quick else 64, maxsize=32),
+        # 4 MiB: the median of 3 runs each (one run is ~2 s; single runs varied by ~1.5x here).
+        # The variants do the same work as the ray queue row they are compared with.
+        Case(payload_bytes=4 * 2**20, batch=8, items=big_items, maxsize=32, rounds=3),
+        Case(payload_bytes=4 * 2**20, batch=8, items=big_items, maxsize=32, rounds=3, pull=False),
         Case(
             payload_bytes=4 * 2**20,
             batch=8,
-            items=256 if not quick else 64,  # the same work as the ray queue row it is
-            maxsize=32,  # compared with
+            items=big_items,
+            maxsize=32,
+            rounds=3,
             owner="producer",
         ),
     ]
@@ -157,6 +176,9 @@ def _define_contenders() -> dict[str, Contender]:
 
     @ray.remote(num_cpus=0)
     class AsyncQueueProducer:
+        async def warm(self, queue: MessageQueueClient, item: QueueItem) -> None:
+            await queue.put(item)
+
         async def run(self, queue: MessageQueueClient, case: Case) -> float:
             payload = _payloads(case)
             started = time.time()
@@ -181,6 +203,9 @@ def _define_contenders() -> dict[str, Contender]:
 
     @ray.remote(num_cpus=0)
     class RayQueueAsyncProducer:
+        async def warm(self, queue: Queue, item: QueueItem) -> None:
+            await queue.put_async(item)
+
         async def run(self, queue: Queue, case: Case) -> float:
             payload = _payloads(case)
             started = time.time()
@@ -189,6 +214,9 @@ def _define_contenders() -> dict[str, Contender]:
 
     @ray.remote(num_cpus=0)
     class RayQueueBatchProducer:
+        def warm(self, queue: Queue, item: QueueItem) -> None:
+            queue.put(item)
+
         def run(self, queue: Queue, case: Case) -> float:
             payload = _payloads(case)
             started = time.time()
@@ -222,7 +250,7 @@ def _define_contenders() -> dict[str, Contender]:
     return {
         "async_queue": Contender(
             make_queue=lambda case: MessageQueueClient.create(
-                maxsize=case.maxsize, by_ref_owner=case.owner
+                maxsize=case.maxsize, by_ref_owner=case.owner, by_ref_pull=case.pull
             ),
             single=(AsyncQueueProducer, AsyncQueueConsumer),
             batched=(AsyncQueueProducer, AsyncQueueConsumer),
@@ -250,14 +278,14 @@ async def _measure(name: str, contender: Contender, case: Case) -> dict[str, Any
         queue_handle = queue.actor
         await queue_handle.qsize.remote()
     await asyncio.gather(producer.__ray_ready__.remote(), consumer.__ray_ready__.remote())
-    # One item through each queue first: one-time start-up (async_queue starts its payload
-    # helper on the first by-ref put) stays out of the timed run.
+    # One item from the producer through each queue first: one-time start-up (async_queue
+    # starts its payload helper on the first copied put, ships its hand-over function on the
+    # first pulled one) stays out of the timed run.
     warm = QueueItem(payload=os.urandom(case.payload_bytes), version=0, item_id="warm-up")
+    await producer.warm.remote(queue, warm)
     if isinstance(queue, MessageQueueClient):
-        await queue.put(warm)
         await queue.get()
     else:
-        await queue.put_async(warm)
         await queue.get_async()
 
     consumer_ref = consumer.run.remote(queue, case)
@@ -299,7 +327,7 @@ async def _run_all(cases: list[Case]) -> list[dict[str, Any]]:
     contenders = _define_contenders()
     rows: list[dict[str, Any]] = []
     for case in cases:
-        names = ["async_queue"] if case.owner != "queue" else list(contenders)
+        names = ["async_queue"] if case.variant else list(contenders)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
         for round_index in range(case.rounds):
             order = list(names)
@@ -323,7 +351,7 @@ def _figures(cases: list[Case], rows: list[dict[str, Any]], quick: bool) -> dict
         ours["vs ray queue"] = f"{ratio:.2f}x"
         figures[f"{case.key}_items_s"] = round(ours["items/s"], 1)
         figures[f"ratio_{case.key}"] = round(ratio, 2)
-        if case.owner != "queue":
+        if case.variant:
             figures[f"{case.key}_p50_ms"] = round(ours["p50 ms"], 2)
             figures[f"{case.key}_p99_ms"] = round(ours["p99 ms"], 2)
             continue
@@ -331,7 +359,7 @@ def _figures(cases: list[Case], rows: list[dict[str, Any]], quick: bool) -> dict
         for who, row in (("", ours), ("ray_queue_", theirs)):
             figures[f"{who}{case.key}_p50_ms"] = round(row["p50 ms"], 2)
             figures[f"{who}{case.key}_p99_ms"] = round(row["p99 ms"], 2)
-    big = max((c for c in cases if c.owner == "queue"), key=lambda case: case.payload_bytes)
+    big = max((c for c in cases if not c.variant), key=lambda case: case.payload_bytes)
     ours, theirs = by_case[("async_queue", big.label)], by_case[("ray_queue", big.label)]
     figures["passed_through_mib"] = big.items * big.payload_bytes // 2**20
     figures["actor_peak_rss_mb"] = round(ours["actor peak RSS MB"], 1)
@@ -381,7 +409,8 @@ def run(quick: bool) -> BenchReport:
         f"({figures['ratio_batched_1k']}x)",
         f"target: single 1 KiB >= {TARGET_RATIO:g}x: {figures['met_ratio_single_1k']} "
         f"({figures['ratio_single_1k']}x); batched 4 MiB >= {TARGET_RATIO_4M:g}x: "
-        f"{figures['met_ratio_batched_4m']} ({figures.get('ratio_batched_4m')}x; producer-owned "
+        f"{figures['met_ratio_batched_4m']} ({figures.get('ratio_batched_4m')}x; copied "
+        f"{figures.get('ratio_batched_4m_copied')}x; producer-owned "
         f"{figures.get('ratio_batched_4m_producer_owned')}x); queue actor "
         f"peak RSS < {TARGET_RSS_MB:g} MB after {figures['passed_through_mib']} MiB: "
         f"{figures['met_actor_peak_rss']} ({figures['actor_peak_rss_mb']} MB; ray's queue "
@@ -389,9 +418,12 @@ def run(quick: bool) -> BenchReport:
         f"single: {SINGLE_WINDOW} concurrent tasks put one item each at a time through one "
         f"client; both consumers take up to {SINGLE_CONSUMER_BATCH} per call",
         "async_queue sends payloads of >= 64 KiB by reference (object store); ray's queue "
-        "by value. By default the queue actor re-owns each one (one more copy, so it "
-        "survives its producer); 'producer-owned' rows skip that (by_ref_owner='producer') "
-        "and are compared with the same ray queue row",
+        "by value. By default the queue actor owns them (they survive their producer): its "
+        "producer here is an async actor (like the app's rollouters), so the queue actor "
+        "pulls them from it (one write); 'copied' rows (by_ref_pull=False: a driver's or "
+        "task's path) ray.put them and re-own a copy; 'producer-owned' rows "
+        "(by_ref_owner='producer') do neither. Variants are compared with the same ray "
+        "queue row",
         "latency = receive time - produced_at; both queues have the same maxsize, so it "
         "includes time waiting in a full queue",
         f"ray queue batched: producer retries after {RETRY_S * 1e3:g} ms on Full; consumer "

@@ -11,16 +11,24 @@ the actor and the raylet):
   `DEFAULT_BY_REF_BYTES`): the `QueueItem` itself, which Ray pickles. This copies the payload
   fewer times than encoding it first (256 KiB: ~1.1 vs ~2.2 ms per item).
 - payload >= `by_ref_bytes`: a `ByRef`: the version, the item without its payload (encoded),
-  an `ObjectRef` and the payload's `index` in it. The producing client `ray.put`s the
-  by-ref payloads of one call together, as ONE object (a list of out-of-band pickle buffers:
-  one copy into the object store; readers map it without copying): creating, sealing,
-  re-owning and fetching an object costs far more than copying a few MiB into it, so one
-  object per call instead of one per item (8 x 4 MiB: ~2-3x less put time here). The ref is
-  nested in the argument list, so Ray hands it to the actor as a ref and never fetches the
-  payload there; the actor re-owns each distinct object once (see
-  `actor.QueueActor.put_many`) and hands the same kind of element back from `get_batch`; the
-  consuming client awaits each distinct ref once. An object is freed once every item of its
-  call is delivered or dropped.
+  an `ObjectRef` and the payload's `index` in it. The by-ref payloads of one call travel
+  together, as ONE object (a list of out-of-band pickle buffers: one copy into the object
+  store; readers map it without copying): creating, sealing, re-owning and fetching an
+  object costs far more than copying a few MiB into it, so one object per call instead of
+  one per item (8 x 4 MiB: ~2-3x less put time here). That object is owned by the queue
+  actor, and written in one of two ways:
+  - pulled (a producing client inside a Ray actor that serves concurrent calls): the client
+    sends a `Pulled` (version, header, index) per by-ref item and a `PullSource` (its actor
+    handle, a token); the queue actor calls the producer back (`_handover.hand_over`), which
+    returns the payloads as one object owned by the queue actor; the actor then queues a
+    `ByRef` to it. One write of the payload bytes.
+  - copied (any other client: the driver, a task, a `max_concurrency=1` actor): the client
+    `ray.put`s the payloads; the actor re-owns that object through its helper
+    (`actor.PayloadAdopter`), a second write.
+  The ref is nested in the argument list or return value, so Ray never fetches the payload
+  in the actor; the actor hands the same `ByRef` back from `get_batch`; the consuming client
+  awaits each distinct ref once. An object is freed once every item of its call is
+  delivered or dropped.
 
 The actor never decodes payloads: it reads only each item's `version` (for an encoded item,
 msgspec skips the payload bytes without copying them) and hands the same elements back from
@@ -36,6 +44,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 import ray
+from ray.actor import ActorHandle
 
 from async_queue.types import QueueItem, QueueStats
 
@@ -44,6 +53,8 @@ __all__ = [
     "DEFAULT_BY_REF_BYTES",
     "LARGE_PAYLOAD_BYTES",
     "ByRef",
+    "PullSource",
+    "Pulled",
     "RawItem",
     "WireItem",
     "adopt_for_owner",
@@ -58,6 +69,7 @@ __all__ = [
     "resolve",
     "to_raw_items",
     "to_wire",
+    "to_wire_pulled",
 ]
 
 LARGE_PAYLOAD_BYTES = 8 * 1024
@@ -79,10 +91,30 @@ class ByRef(NamedTuple):
     header: bytes
     ref: ray.ObjectRef
     index: int
-    adopt: bool = True  # the queue actor re-owns the payload (by_ref_owner "queue")
+    # The queue actor must re-own (copy) the payload: a `ray.put` of a by_ref_owner "queue"
+    # client. False when the producer owns it, or when the queue actor already does (pulled).
+    adopt: bool = True
 
 
-WireItem = bytes | QueueItem | ByRef
+class Pulled(NamedTuple):
+    """A by-reference item of a pulled put, on its way to the queue actor: its payload is
+    still in the producing process, at `index` of the call's hand-over (see `_handover`).
+    The actor turns it into a `ByRef` to the object it pulled before queueing it."""
+
+    version: int
+    header: bytes
+    index: int
+
+
+class PullSource(NamedTuple):
+    """Where the queue actor pulls the `Pulled` payloads of one put call from: the producing
+    actor and the token its payloads wait under (see `_handover`)."""
+
+    producer: ActorHandle
+    token: str
+
+
+WireItem = bytes | QueueItem | ByRef | Pulled
 
 
 class RawItem(NamedTuple):
@@ -133,14 +165,11 @@ def needs_object_store(items: Iterable[QueueItem], by_ref_bytes: int | None) -> 
     return by_ref_bytes is not None and any(len(i.payload) >= by_ref_bytes for i in items)
 
 
-def to_wire(
-    items: Iterable[QueueItem], by_ref_bytes: int | None, adopt: bool = True
-) -> list[WireItem]:
-    """Client side, put: each item as bytes, as itself, or by reference (see the module doc).
-
-    Blocking when an item goes by reference (`ray.put`, once for all of them); async callers
-    run it in a thread."""
-    items = list(items)
+def _split(
+    items: Sequence[QueueItem], by_ref_bytes: int | None
+) -> tuple[list[WireItem], list[int]]:
+    """The by-value elements of `items` (by-ref ones still as the item) and the positions of
+    the by-ref items."""
     by_ref = [
         k
         for k, item in enumerate(items)
@@ -149,14 +178,43 @@ def to_wire(
     elements: list[WireItem] = [
         item if len(item.payload) >= LARGE_PAYLOAD_BYTES else _encode(item) for item in items
     ]
+    return elements, by_ref
+
+
+def _header(item: QueueItem) -> bytes:
+    return _encode(msgspec.structs.replace(item, payload=b""))
+
+
+def to_wire(
+    items: Iterable[QueueItem], by_ref_bytes: int | None, adopt: bool = True
+) -> list[WireItem]:
+    """Client side, put: each item as bytes, as itself, or by reference (see the module doc).
+
+    Blocking when an item goes by reference (`ray.put`, once for all of them); async callers
+    run it in a thread."""
+    items = list(items)
+    elements, by_ref = _split(items, by_ref_bytes)
     if by_ref:
         # Out of band: written once into the object store, mapped (not copied) by readers.
         ref = ray.put([pickle.PickleBuffer(items[k].payload) for k in by_ref])
         for index, k in enumerate(by_ref):
             item = items[k]
-            header = _encode(msgspec.structs.replace(item, payload=b""))
-            elements[k] = ByRef(item.version, header, ref, index, adopt)
+            elements[k] = ByRef(item.version, _header(item), ref, index, adopt)
     return elements
+
+
+def to_wire_pulled(
+    items: Sequence[QueueItem], by_ref_bytes: int | None
+) -> tuple[list[WireItem], list[bytes]]:
+    """Client side, a pulled put (see `_handover`): the elements, with a `Pulled` for each
+    by-ref item, and the by-ref payloads in `Pulled.index` order, for the hand-over.
+
+    Non-blocking: nothing is copied here."""
+    elements, by_ref = _split(items, by_ref_bytes)
+    for index, k in enumerate(by_ref):
+        item = items[k]
+        elements[k] = Pulled(item.version, _header(item), index)
+    return elements, [items[k].payload for k in by_ref]
 
 
 def distinct_refs(elements: Sequence[WireItem]) -> dict[bytes, ray.ObjectRef]:
@@ -210,7 +268,10 @@ def from_wire_blocking(elements: list[WireItem]) -> list[QueueItem]:
 def to_raw_items(elements: list[WireItem]) -> list[RawItem]:
     """Actor side: (version, wire form) per item, without decoding payloads."""
     return [
-        RawItem(e.version if isinstance(e, QueueItem | ByRef) else _decode_version(e).version, e)
+        RawItem(
+            e.version if isinstance(e, QueueItem | ByRef | Pulled) else _decode_version(e).version,
+            e,
+        )
         for e in elements
     ]
 
@@ -219,7 +280,8 @@ def item_id(element: WireItem) -> str:
     """Actor side: an item's `item_id`, read from its header (the payload is not decoded)."""
     if isinstance(element, QueueItem):
         return element.item_id
-    return _decode_id(element.header if isinstance(element, ByRef) else element).item_id
+    header = element.header if isinstance(element, ByRef | Pulled) else element
+    return _decode_id(header).item_id
 
 
 def encode_stats(stats: QueueStats) -> bytes:

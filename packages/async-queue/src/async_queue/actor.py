@@ -9,18 +9,26 @@ producer.
 A get carries a `ticket` (a client-made id) so that its caller can abandon it: see
 `QueueActor.abandon` and the client's module doc for how a cancelled get never loses items.
 
-By-reference payloads (`_wire.ByRef`, put by the producing client) are re-owned by this actor
-before they are queued: a small helper actor (`PayloadAdopter`, started by this actor on first
-use, on its node) returns each payload object (one per put call: a list of payloads) as a
-new object, and the owner of a call's return values is its caller, i.e. this actor. The
-producer's own object is freed when its put returns, so a producer that exits loses nothing
-it put. (Ray >= 2.56 has no `ray.put(..., _owner=)`.) The queue holds only refs; the payload
-bytes never enter this process.
+By-reference payloads are owned by this actor before they are queued, so a producer that
+exits after its put returned loses nothing it put. (Ray >= 2.56 has no `ray.put(..., _owner=)`;
+the owner of a call's return values is its caller, so this actor makes them its own by being
+the caller of the call that writes them.) Two ways, one per put call (see `_wire`):
+
+- pulled (`_wire.Pulled` elements plus a `_wire.PullSource`): the producing client runs in a
+  Ray actor and still holds the payloads; this actor calls it back
+  (`__ray_call__(_handover.hand_over, token)`, two return values) and queues refs to the
+  second one, the payloads, written once by the producer into its node's object store.
+- copied (`_wire.ByRef` with `adopt`): the producer `ray.put` them; a small helper actor
+  (`PayloadAdopter`, started by this actor on first use, on its node) returns each payload
+  object as a new object. The producer's own object is freed when its put returns.
+
+Either way the queue holds only refs; the payload bytes never enter this process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -33,9 +41,9 @@ from typing import Any
 
 import ray
 
-from async_queue import _wire
+from async_queue import _handover, _wire
 from async_queue.core import MessageQueue
-from async_queue.errors import GetAbandoned, ProducerFailed, QueueError
+from async_queue.errors import GetAbandoned, ProducerFailed, PutWithdrawn, QueueError
 from async_queue.types import FullPolicy
 
 __all__ = ["DEFAULT_MAX_CONCURRENCY", "PayloadAdopter", "QueueActor", "start_queue_actor"]
@@ -71,14 +79,21 @@ class QueueActor:
         self._early_abandons: OrderedDict[str, None] = OrderedDict()
         self._adopter: ray.actor.ActorHandle | None = None
 
-    async def put_many(self, elements: list[_wire.WireItem]) -> None:
-        await self._queue.put_many(_wire.to_raw_items(await self._adopt(elements)))
+    async def put_many(
+        self, elements: list[_wire.WireItem], source: _wire.PullSource | None = None
+    ) -> None:
+        """Enqueue `elements` (all or none under policy reject). `source`: where the `Pulled`
+        payloads among them are (a pulled put; see `_own`)."""
+        await self._queue.put_many(_wire.to_raw_items(await self._own(elements, source)))
 
-    async def put_each(self, elements: list[_wire.WireItem]) -> list[QueueError | None] | None:
+    async def put_each(
+        self, elements: list[_wire.WireItem], source: _wire.PullSource | None = None
+    ) -> list[QueueError | None] | None:
         """Single puts of several callers, coalesced by one client into one call: each item
         is enqueued as its own `put` would be (see `MessageQueue.put_each`). Returns None when
         all were enqueued, else each item's outcome (None or the error for its caller)."""
-        outcomes = await self._queue.put_each(_wire.to_raw_items(await self._adopt(elements)))
+        owned = await self._own(elements, source)
+        outcomes = await self._queue.put_each(_wire.to_raw_items(owned))
         return outcomes if any(o is not None for o in outcomes) else None
 
     async def memory(self) -> dict[str, int]:
@@ -86,11 +101,57 @@ class QueueActor:
         mark), e.g. to check that by-ref payloads stay out of its heap."""
         return _process_memory()
 
+    async def _own(
+        self, elements: list[_wire.WireItem], source: _wire.PullSource | None
+    ) -> list[_wire.WireItem]:
+        """Make this actor the owner of every by-ref payload of a put before it is queued:
+        pull those the producer still holds, re-own those it `ray.put`."""
+        if self._queue.closed:  # the put fails in the queue; pull or copy nothing
+            return elements
+        if source is not None:
+            elements = await self._pull(elements, source)
+        return await self._adopt(elements)
+
+    async def _pull(
+        self, elements: list[_wire.WireItem], source: _wire.PullSource
+    ) -> list[_wire.WireItem]:
+        """Take the `Pulled` payloads of a put from its producer (see `_handover`): one call
+        into the producing actor, whose second return value (the payloads, one object) this
+        actor owns as that call's caller. Only the first (a count) is awaited, so the payload
+        bytes never enter this process. Raises when the producer died or the put already
+        ended there (`PutWithdrawn`): then nothing of this put is queued."""
+        pulled = [e for e in elements if isinstance(e, _wire.Pulled)]
+        if not pulled:
+            return elements
+        call = source.producer.__ray_call__.options(num_returns=2)
+        count_ref, payloads = call.remote(_handover.hand_over, source.token)
+        try:
+            count = await count_ref
+        except ray.exceptions.RayError:
+            # The same error is in `payloads` (no bytes to fetch): read it, so that Ray does
+            # not log it as an unhandled error when the ref goes.
+            with contextlib.suppress(ray.exceptions.RayError):
+                await payloads
+            raise
+        if count == _handover.GONE:
+            raise PutWithdrawn(
+                "the producer no longer holds this put's payloads (its put call was cancelled "
+                "or failed before the queue took them)"
+            )
+        if max(e.index for e in pulled) >= count:
+            raise RuntimeError(f"hand-over returned {count} payloads for {len(pulled)} items")
+        return [
+            _wire.ByRef(e.version, e.header, payloads, e.index, adopt=False)
+            if isinstance(e, _wire.Pulled)
+            else e
+            for e in elements
+        ]
+
     async def _adopt(self, elements: list[_wire.WireItem]) -> list[_wire.WireItem]:
         """Re-own the by-ref payload objects among `elements` (see the module doc): one
         adopter call, one new object per distinct object (normally one per put call)."""
         to_adopt = [e for e in elements if isinstance(e, _wire.ByRef) and e.adopt]
-        if not to_adopt or self._queue.closed:  # closed: the put fails; copy nothing
+        if not to_adopt:
             return elements
         if self._adopter is None:
             self._adopter = _start_adopter()

@@ -6,10 +6,13 @@ moves in one call as msgpack-encoded items. Exceptions the actor raises arrive w
 `RayTaskError`; the clients re-raise the package's own `QueueClosed`, `ProducerFailed`,
 `QueueFull`, `QueueTimeout`.
 
-Payloads of `by_ref_bytes` (default 64 KiB) or more go by reference: the producing client
-`ray.put`s those of one call as one object (in a worker thread, off the loop), the actor
-queues only refs (and re-owns them, so they survive the producer), and the consuming client
-awaits each distinct ref once (see `_wire`).
+Payloads of `by_ref_bytes` (default 64 KiB) or more go by reference, those of one call as one
+object owned by the queue actor (so they survive the producer); the actor queues only refs,
+and the consuming client awaits each distinct ref once (see `_wire`). A producing client
+inside a Ray actor that serves concurrent calls (an async actor, or `max_concurrency` > 1)
+keeps the payloads until the queue actor pulls them (`_handover`: one write into the object
+store); any other client `ray.put`s them (in a worker thread, off the loop) and the queue
+actor copies them into an object of its own.
 
 Concurrent single `put`s of one async client coalesce: while one call is in flight, the
 items of further `put`s wait in the client and go together in the next call (`put_each`),
@@ -42,13 +45,13 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
-from typing import Any, NoReturn, Self
+from typing import Any, NamedTuple, NoReturn, Self
 
 import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayError, RayTaskError
 
-from async_queue import _wire
+from async_queue import _handover, _wire
 from async_queue.actor import DEFAULT_MAX_CONCURRENCY, start_queue_actor
 from async_queue.core import stale_threshold
 from async_queue.errors import (
@@ -95,6 +98,32 @@ def _check_items(items: Sequence[QueueItem]) -> None:
             raise TypeError(f"queue items must be QueueItem, got {type(item).__name__}")
 
 
+class _Outgoing(NamedTuple):
+    """The wire elements of one put call, and for a pulled put where its payloads wait."""
+
+    elements: list[_wire.WireItem]
+    source: _wire.PullSource | None = None
+
+    def args(self, elements: list[_wire.WireItem] | None = None) -> tuple[Any, ...]:
+        """The put call's arguments (`elements` replaces the elements, e.g. filtered)."""
+        elements = self.elements if elements is None else elements
+        return (elements,) if self.source is None else (elements, self.source)
+
+    def release(self) -> None:
+        """The put call ended: payloads the queue actor did not pull are dropped here."""
+        if self.source is not None:
+            _handover.release(self.source.token)
+
+
+def _pulled(items: Sequence[QueueItem], by_ref_bytes: int | None) -> _Outgoing | None:
+    """A pulled put of `items`, when this process is an actor that can serve the hand-over."""
+    producer = _handover.producer_actor()
+    if producer is None:
+        return None
+    elements, payloads = _wire.to_wire_pulled(items, by_ref_bytes)
+    return _Outgoing(elements, _wire.PullSource(producer, _handover.hold(payloads)))
+
+
 def _check_batch_args(
     n: int, min_items: int, current_version: int | None, max_staleness: int | None
 ) -> None:
@@ -119,7 +148,7 @@ class _PutBatcher:
     def __init__(
         self,
         actor: ActorHandle,
-        to_wire: Callable[[Sequence[QueueItem]], Awaitable[list[_wire.WireItem]]],
+        to_wire: Callable[[Sequence[QueueItem]], Awaitable[_Outgoing]],
         loop: asyncio.AbstractEventLoop,
     ) -> None:
         self._actor = actor
@@ -158,37 +187,45 @@ class _PutBatcher:
                     _fail_all([f for _, f in batch], exc)
                     batch = []
                     continue
-                # Callers cancelled while their payloads were being stored: still not sent.
-                elements = [e for e, (_, f) in zip(wire, batch, strict=True) if not f.done()]
-                futures = [f for _, f in batch if not f.done()]
-                if not futures:
-                    batch = []
-                    continue
-                ref = self._actor.put_each.remote(elements)
-                self._in_flight = (ref, futures)
                 try:
-                    outcomes = await ref
-                except RayTaskError as exc:
-                    _fail_all(futures, _own_error(exc) or exc)
-                except Exception as exc:  # the actor died, the call was ray.cancelled, ...
-                    _fail_all(futures, exc)
-                else:
-                    for i, future in enumerate(futures):
-                        outcome = None if outcomes is None else outcomes[i]
-                        if future.done():
-                            continue  # its caller was cancelled meanwhile
-                        if outcome is None:
-                            future.set_result(None)
-                        else:
-                            future.set_exception(outcome)
+                    await self._send(wire, batch)
                 finally:
-                    self._in_flight = None
+                    wire.release()  # a pulled put's payloads: taken by now, or never
                 batch = []
         except asyncio.CancelledError:  # the loop is shutting down: nobody gets an answer
             for _, future in [*batch, *self._pending]:
                 future.cancel()
             self._pending.clear()
             raise
+
+    async def _send(
+        self, wire: _Outgoing, batch: list[tuple[QueueItem, asyncio.Future[None]]]
+    ) -> None:
+        """One `put_each` call for the items of `batch` whose callers still wait."""
+        # Callers cancelled while their payloads were being stored: still not sent.
+        elements = [e for e, (_, f) in zip(wire.elements, batch, strict=True) if not f.done()]
+        futures = [f for _, f in batch if not f.done()]
+        if not futures:
+            return
+        ref = self._actor.put_each.remote(*wire.args(elements))
+        self._in_flight = (ref, futures)
+        try:
+            outcomes = await ref
+        except RayTaskError as exc:
+            _fail_all(futures, _own_error(exc) or exc)
+        except Exception as exc:  # the actor died, the call was ray.cancelled, ...
+            _fail_all(futures, exc)
+        else:
+            for i, future in enumerate(futures):
+                outcome = None if outcomes is None else outcomes[i]
+                if future.done():
+                    continue  # its caller was cancelled meanwhile
+                if outcome is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(outcome)
+        finally:
+            self._in_flight = None
 
 
 def _fail_all(futures: list[asyncio.Future[None]], error: BaseException) -> None:
@@ -210,8 +247,11 @@ class MessageQueueClient:
 
     `by_ref_bytes` (default `DEFAULT_BY_REF_BYTES`, 64 KiB; None: never): payloads at least
     this large travel through Ray's object store by reference (module doc, README).
-    `by_ref_owner`: "queue" (default: the queue actor re-owns them, they survive a producer
-    that exits) or "producer" (one copy less; lost with the producer).
+    `by_ref_owner`: "queue" (default: the queue actor owns them, they survive a producer
+    that exits) or "producer" (lost with the producer). `by_ref_pull` (default True): inside
+    a Ray actor that serves concurrent calls, the queue actor pulls the payloads from this
+    process (one write) instead of copying what this client `ray.put` (two); it needs one
+    free call slot in this actor while a put waits (False: always copy).
     Concurrent `put`s coalesce into one actor call (module doc).
 
     Signals: `QueueClosed` (closed and drained / put after close), `ProducerFailed` (a
@@ -220,17 +260,19 @@ class MessageQueueClient:
     No method returns None in place of an item.
     """
 
-    __slots__ = ("_actor", "_adopt", "_batcher", "_by_ref_bytes")
+    __slots__ = ("_actor", "_adopt", "_batcher", "_by_ref_bytes", "_pull")
 
     def __init__(
         self,
         actor: ActorHandle,
         by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
         by_ref_owner: str = "queue",
+        by_ref_pull: bool = True,
     ) -> None:
         self._actor = actor
         self._by_ref_bytes = _wire.check_by_ref_bytes(by_ref_bytes)
         self._adopt = _wire.adopt_for_owner(by_ref_owner)
+        self._pull = bool(by_ref_pull)
         self._batcher: _PutBatcher | None = None
 
     @classmethod
@@ -247,6 +289,7 @@ class MessageQueueClient:
         actor_options: dict[str, Any] | None = None,
         by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
         by_ref_owner: str = "queue",
+        by_ref_pull: bool = True,
     ) -> Self:
         """Start a queue actor (see `start_queue_actor`) and return a client of it.
 
@@ -262,7 +305,7 @@ class MessageQueueClient:
             max_concurrency=max_concurrency,
             actor_options=actor_options,
         )
-        return cls(handle, by_ref_bytes, by_ref_owner)
+        return cls(handle, by_ref_bytes, by_ref_owner, by_ref_pull)
 
     @classmethod
     async def connect(
@@ -272,11 +315,12 @@ class MessageQueueClient:
         *,
         by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
         by_ref_owner: str = "queue",
+        by_ref_pull: bool = True,
     ) -> Self:
         """Client of the named queue actor. The lookup is a synchronous GCS call, so it runs
         in a worker thread to keep this loop free."""
         handle = await asyncio.to_thread(ray.get_actor, name, namespace)
-        return cls(handle, by_ref_bytes, by_ref_owner)
+        return cls(handle, by_ref_bytes, by_ref_owner, by_ref_pull)
 
     @property
     def handle(self) -> ActorHandle:
@@ -294,12 +338,21 @@ class MessageQueueClient:
         "producer" (one copy less; lost if the producer exits before they are consumed)."""
         return "queue" if self._adopt else "producer"
 
+    @property
+    def by_ref_pull(self) -> bool:
+        """Whether the queue actor may pull by-ref payloads from this process (see above)."""
+        return self._pull
+
     def to_sync(self) -> SyncMessageQueueClient:
         """A synchronous client of the same actor (for threads without a running loop)."""
-        return SyncMessageQueueClient(self._actor, self._by_ref_bytes, self.by_ref_owner)
+        return SyncMessageQueueClient(
+            self._actor, self._by_ref_bytes, self.by_ref_owner, self._pull
+        )
 
-    def __reduce__(self) -> tuple[type[MessageQueueClient], tuple[ActorHandle, int | None, str]]:
-        return (type(self), (self._actor, self._by_ref_bytes, self.by_ref_owner))
+    def __reduce__(
+        self,
+    ) -> tuple[type[MessageQueueClient], tuple[ActorHandle, int | None, str, bool]]:
+        return (type(self), (self._actor, self._by_ref_bytes, self.by_ref_owner, self._pull))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._actor!r})"
@@ -320,7 +373,11 @@ class MessageQueueClient:
     async def put_many(self, items: Sequence[QueueItem]) -> None:
         """Enqueue many items in one Ray call (in order). Policy reject refuses all or none."""
         _check_items(items)
-        await self._call(self._actor.put_many, await self._to_wire(items))
+        wire = await self._to_wire(items)
+        try:
+            await self._call(self._actor.put_many, *wire.args())
+        finally:
+            wire.release()  # a pulled put's payloads: taken by now, or never
 
     async def close(self, error: BaseException | str | None = None) -> None:
         """End the stream, or (with `error`) fail it: consumers then raise `ProducerFailed`
@@ -390,11 +447,19 @@ class MessageQueueClient:
 
     # ------------------------------------------------------------------ internals
 
-    async def _to_wire(self, items: Sequence[QueueItem]) -> list[_wire.WireItem]:
-        if _wire.needs_object_store(items, self._by_ref_bytes):
-            # ray.put copies the payloads into the object store: not on this loop.
-            return await asyncio.to_thread(_wire.to_wire, items, self._by_ref_bytes, self._adopt)
-        return _wire.to_wire(items, None)
+    async def _to_wire(self, items: Sequence[QueueItem]) -> _Outgoing:
+        """Without suspending unless payloads must be `ray.put` (so a pulled put, like a
+        by-value one, is sent at once)."""
+        if not _wire.needs_object_store(items, self._by_ref_bytes):
+            return _Outgoing(_wire.to_wire(items, None))
+        if self._adopt and self._pull:
+            pulled = _pulled(items, self._by_ref_bytes)
+            if pulled is not None:
+                return pulled
+        # ray.put copies the payloads into the object store: not on this loop.
+        return _Outgoing(
+            await asyncio.to_thread(_wire.to_wire, items, self._by_ref_bytes, self._adopt)
+        )
 
     @staticmethod
     async def _call(method: Any, *args: Any) -> Any:
@@ -442,22 +507,24 @@ async def _in_background(hand_back: Coroutine[Any, Any, None]) -> None:
 class SyncMessageQueueClient:
     """Blocking client for plain scripts and threads (uses `ray.get`).
 
-    Same methods and signals as `MessageQueueClient`, without `await`. Calling it on a thread
-    whose event loop is running raises `SyncClientInEventLoopError` (a `RuntimeError`) instead
-    of blocking that loop: use `MessageQueueClient` there.
+    Same methods, parameters and signals as `MessageQueueClient`, without `await`. Calling it
+    on a thread whose event loop is running raises `SyncClientInEventLoopError` (a
+    `RuntimeError`) instead of blocking that loop: use `MessageQueueClient` there.
     """
 
-    __slots__ = ("_actor", "_adopt", "_by_ref_bytes")
+    __slots__ = ("_actor", "_adopt", "_by_ref_bytes", "_pull")
 
     def __init__(
         self,
         actor: ActorHandle,
         by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
         by_ref_owner: str = "queue",
+        by_ref_pull: bool = True,
     ) -> None:
         self._actor = actor
         self._by_ref_bytes = _wire.check_by_ref_bytes(by_ref_bytes)
         self._adopt = _wire.adopt_for_owner(by_ref_owner)
+        self._pull = bool(by_ref_pull)
 
     @classmethod
     def create(
@@ -473,6 +540,7 @@ class SyncMessageQueueClient:
         actor_options: dict[str, Any] | None = None,
         by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
         by_ref_owner: str = "queue",
+        by_ref_pull: bool = True,
     ) -> Self:
         """Start a queue actor; same arguments as `MessageQueueClient.create`."""
         handle = start_queue_actor(
@@ -485,7 +553,7 @@ class SyncMessageQueueClient:
             max_concurrency=max_concurrency,
             actor_options=actor_options,
         )
-        return cls(handle, by_ref_bytes, by_ref_owner)
+        return cls(handle, by_ref_bytes, by_ref_owner, by_ref_pull)
 
     @classmethod
     def connect(
@@ -495,9 +563,10 @@ class SyncMessageQueueClient:
         *,
         by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
         by_ref_owner: str = "queue",
+        by_ref_pull: bool = True,
     ) -> Self:
         _forbid_running_loop("connect")
-        return cls(ray.get_actor(name, namespace), by_ref_bytes, by_ref_owner)
+        return cls(ray.get_actor(name, namespace), by_ref_bytes, by_ref_owner, by_ref_pull)
 
     @property
     def handle(self) -> ActorHandle:
@@ -511,24 +580,28 @@ class SyncMessageQueueClient:
     def by_ref_owner(self) -> str:
         return "queue" if self._adopt else "producer"
 
+    @property
+    def by_ref_pull(self) -> bool:
+        return self._pull
+
     def to_async(self) -> MessageQueueClient:
-        return MessageQueueClient(self._actor, self._by_ref_bytes, self.by_ref_owner)
+        return MessageQueueClient(self._actor, self._by_ref_bytes, self.by_ref_owner, self._pull)
 
     def __reduce__(
         self,
-    ) -> tuple[type[SyncMessageQueueClient], tuple[ActorHandle, int | None, str]]:
-        return (type(self), (self._actor, self._by_ref_bytes, self.by_ref_owner))
+    ) -> tuple[type[SyncMessageQueueClient], tuple[ActorHandle, int | None, str, bool]]:
+        return (type(self), (self._actor, self._by_ref_bytes, self.by_ref_owner, self._pull))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._actor!r})"
 
     def put(self, item: QueueItem) -> None:
         _check_items((item,))
-        self._call("put", self._actor.put_many, self._to_wire("put", (item,)))
+        self._put("put", (item,))
 
     def put_many(self, items: Sequence[QueueItem]) -> None:
         _check_items(items)
-        self._call("put_many", self._actor.put_many, self._to_wire("put_many", items))
+        self._put("put_many", items)
 
     def close(self, error: BaseException | str | None = None) -> None:
         self._call("close", self._actor.close, *_cause_text(error))
@@ -583,9 +656,18 @@ class SyncMessageQueueClient:
     def actor_memory(self) -> dict[str, int]:
         return dict(self._call("actor_memory", self._actor.memory))
 
-    def _to_wire(self, name: str, items: Sequence[QueueItem]) -> list[_wire.WireItem]:
-        _forbid_running_loop(name)  # before any ray.put
-        return _wire.to_wire(items, self._by_ref_bytes, self._adopt)
+    def _put(self, name: str, items: Sequence[QueueItem]) -> None:
+        _forbid_running_loop(name)  # before any ray.put or hold
+        wire: _Outgoing | None = None
+        if self._adopt and self._pull and _wire.needs_object_store(items, self._by_ref_bytes):
+            # A threaded actor with max_concurrency > 1 serves the hand-over on another thread.
+            wire = _pulled(items, self._by_ref_bytes)
+        if wire is None:
+            wire = _Outgoing(_wire.to_wire(items, self._by_ref_bytes, self._adopt))
+        try:
+            self._call(name, self._actor.put_many, *wire.args())
+        finally:
+            wire.release()  # a pulled put's payloads: taken by now, or never
 
     @staticmethod
     def _call(name: str, method: Any, *args: Any) -> Any:

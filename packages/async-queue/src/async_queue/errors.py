@@ -72,6 +72,14 @@ class GetAbandoned(QueueError):
     """
 
 
+class PutWithdrawn(QueueError):
+    """Internal: the queue actor came to pull a put's payloads from its producer, but that
+    put had already ended there (cancelled, or failed in the client); nothing is enqueued.
+
+    Raised in the actor to the put call itself, whose caller no longer waits for it.
+    """
+
+
 class SyncClientInEventLoopError(RuntimeError):
     """`SyncMessageQueueClient` was called on a thread whose asyncio event loop is running.
 
