@@ -50,12 +50,20 @@ def producer_actor() -> ActorHandle | None:
     global _this_actor
     if not ray.is_initialized():
         return None
-    worker = ray._private.worker.global_worker
-    actor_id = worker.actor_id
-    if _this_actor is not None and _this_actor[0] == actor_id:
-        return _this_actor[1]
+    # No public Ray API says whether this process serves concurrent calls: read the worker's
+    # own fields, and take the copying path if a Ray version no longer has them.
+    try:
+        worker = ray._private.worker.global_worker
+        actor_id = worker.actor_id
+        if _this_actor is not None and _this_actor[0] == actor_id:
+            return _this_actor[1]
+        concurrent = (
+            not actor_id.is_nil() and worker.core_worker.current_actor_max_concurrency() > 1
+        )
+    except AttributeError:
+        return None
     handle: ActorHandle | None = None
-    if not actor_id.is_nil() and worker.core_worker.current_actor_max_concurrency() > 1:
+    if concurrent:
         handle = ray.get_runtime_context().current_actor
     _this_actor = (actor_id, handle)
     return handle
