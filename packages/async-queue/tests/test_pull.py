@@ -96,7 +96,8 @@ class AsyncProducer:
     async def cancel_puts(
         self, queue: MessageQueueClient, items: list[QueueItem], seed: int
     ) -> tuple[list[str], int]:
-        """Each put (put_many of two, or a single put) cancelled after a random delay;
+        """Each put (put_many of two, or a single put) cancelled after a random delay, or
+        (delay None) left to finish, so that some puts return whatever the machine's load;
         returns the ids of the puts that returned, and how many puts' payloads are held."""
         rng = random.Random(seed)
         returned: list[str] = []
@@ -104,8 +105,10 @@ class AsyncProducer:
             batch = items[k : k + 2]
             put = queue.put_many(batch) if k % 4 else queue.put(batch[0])
             task = asyncio.ensure_future(put)
-            await asyncio.sleep(rng.choice([0.0, 0.001, 0.005, 0.02, 0.1]))
-            task.cancel()
+            delay = rng.choice([0.0, 0.001, 0.005, 0.02, 0.1, None])
+            if delay is not None:
+                await asyncio.sleep(delay)
+                task.cancel()
             (outcome,) = await asyncio.gather(task, return_exceptions=True)
             if outcome is None:
                 returned.extend(i.item_id for i in (batch if k % 4 else batch[:1]))
@@ -233,7 +236,9 @@ async def test_failed_and_cancelled_pulled_puts_leave_nothing_behind() -> None:
     assert all(item == by_id[item.item_id] for item in queued)  # pulled intact
     ids = [i.item_id for i in queued]
     assert len(ids) == len(set(ids)) and set(returned) <= set(ids)
-    assert 0 < len(returned) < len(items) // 2  # some puts returned, some were cancelled
+    # Some puts returned (those left to finish, at least), and some were cancelled in time
+    # (a put cancelled after `sleep(0)` cannot have had the actor's answer yet).
+    assert 0 < len(returned) < len(items)
     del queued
     assert await asyncio.to_thread(wait_for_objects, before) <= before, plasma_objects()
     closed = MessageQueueClient.create(maxsize=4)
