@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +23,7 @@ import torch
 from ppo_trainer.advantages import grpo_advantages, rloo_advantages
 from ppo_trainer.batch import pack_batch
 from ppo_trainer.checkpoint import load_checkpoint, save_checkpoint, update_latest
-from ppo_trainer.checkpoint_meta import TrainerState
+from ppo_trainer.checkpoint_meta import ConsumedIds
 from ppo_trainer.config import PPOConfig
 from ppo_trainer.protocols import (
     GroupSource,
@@ -36,6 +36,7 @@ from ppo_trainer.sources import iterate_groups
 from ppo_trainer.staleness import group_staleness, staleness_metrics
 from ppo_trainer.types import Trajectory
 from ppo_trainer.update import PolicyUpdater
+from ppo_trainer.weights import WeightPusher
 
 if TYPE_CHECKING:
     from ppo_trainer.distributed import DataParallel
@@ -115,7 +116,7 @@ class PPOTrainer:
             ref_model=ref_model,
             data_parallel=data_parallel,
         )
-        self._weight_sink = weight_sink
+        self._pusher = WeightPusher(weight_sink, background=self.config.background_push)
         self._metrics_sink = metrics_sink
         # Adds the caller's own files to each checkpoint directory (see `save_checkpoint`).
         self._on_checkpoint = on_checkpoint
@@ -127,7 +128,7 @@ class PPOTrainer:
         # True while the weights equal those of `self._version` (at the start, right after a
         # push, after a checkpoint load): only then is `ppo/behav_logprob_diff` meaningful.
         self._weights_are_version = True
-        self._consumed = _ConsumedIds()
+        self._consumed = ConsumedIds()
         self._dropped_total = 0
         self._latest: dict[str, MetricValue] = {}
         self._stop_requested = False
@@ -135,8 +136,6 @@ class PPOTrainer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = False
         self._in_step = False
-        self._push_task: asyncio.Task[None] | None = None
-        self._last_push_s: float | None = None
 
     # -- state ----------------------------------------------------------------------------
 
@@ -233,7 +232,7 @@ class PPOTrainer:
         if self._running:
             raise RuntimeError("train() is already running")
         if weight_sink is not None:
-            self._weight_sink = weight_sink
+            self._pusher.sink = weight_sink
         if self._dp is not None and not self._dp.is_leader:
             self._running = True
             try:
@@ -282,14 +281,14 @@ class PPOTrainer:
                 if collected.ended:
                     reason = "end_of_stream"
                     break
-            await self._finish_push()
+            await self._pusher.finish()
         finally:
             if self._dp is not None and self._dp_end_due:
                 # Release the other ranks (also after a source error; not after a failed
                 # step, whose collectives may have left them waiting elsewhere).
                 self._dp_end_due = False
                 await self._in_worker(self._dp.broadcast_object, _DPEnd(reason))
-            await self._abandon_push()
+            await self._pusher.abandon(self._version)
             self._running = False
             self._stop_requested = False
             self._stop_event = None
@@ -311,27 +310,6 @@ class PPOTrainer:
         )
         logger.info("training ended (%s) after %d steps, version %d", reason, steps, self._version)
         return summary
-
-    async def _push(self, sink: WeightSink, weights: dict[str, torch.Tensor], version: int) -> None:
-        started = time.perf_counter()
-        await sink.push_weights(weights, version)
-        self._last_push_s = time.perf_counter() - started
-
-    async def _finish_push(self) -> None:
-        """Wait for the background push in flight, if any; its error is raised here."""
-        task, self._push_task = self._push_task, None
-        if task is not None:
-            await task
-
-    async def _abandon_push(self) -> None:
-        """On the way out of `train()` after an error or cancel: let the push in flight end
-        (it is not cancelled halfway through a load) and log, not raise, its error."""
-        task, self._push_task = self._push_task, None
-        if task is None:
-            return
-        await asyncio.wait({task})
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("weight push %d failed: %r", self._version, task.exception())
 
     async def _collect(self, iterator: AsyncIterator[list[Trajectory]]) -> _Collected:
         """Pull groups until `batch_size` fresh ones, the end of the stream or a stop."""
@@ -404,17 +382,11 @@ class PPOTrainer:
         if sync_due:
             self._version += 1
             sync_started = time.perf_counter()
-            await self._finish_push()  # one push at a time, in version order
-            if self._weight_sink is not None and result.weights is not None:
-                push = self._push(self._weight_sink, result.weights, self._version)
-                if self.config.background_push:
-                    self._push_task = asyncio.ensure_future(push)
-                else:
-                    await push
+            await self._pusher.push(result.weights, self._version)
             # What the step spent on weights: the export plus any wait for a push.
             metrics["weights/sync_s"] = result.export_s + time.perf_counter() - sync_started
-            if self._last_push_s is not None:
-                metrics["weights/push_s"] = self._last_push_s
+            if self._pusher.last_push_s is not None:
+                metrics["weights/push_s"] = self._pusher.last_push_s
         iteration_s = time.perf_counter() - iteration_start
         metrics.update(staleness_metrics(collected.staleness, self.config.max_staleness))
         metrics.update(
@@ -494,19 +466,35 @@ class PPOTrainer:
         message = self._dp.broadcast_object()
         if isinstance(message, _DPEnd):
             return message
-        return message, self._dp_step(message, time.perf_counter())
+        return message, self._step_shard(message, time.perf_counter())
 
-    def _dp_step(self, message: _DPStep, started: float) -> _StepResult:
-        """This rank's part of a step: its group-aligned shard of `message.groups`."""
-        from ppo_trainer.distributed import shard_groups
+    def _step_in_worker(self, groups: list[list[Trajectory]], sync_due: bool) -> _StepResult:
+        """Rank 0's (or the only process's) step: tell the other ranks, then take part."""
+        message = _DPStep(
+            groups=groups,
+            sync_due=sync_due,
+            export=sync_due and self._pusher.sink is not None,
+            version=self._version,
+            current_version=self._version if self._weights_are_version else None,
+        )
+        if self._dp is not None:
+            self._dp.broadcast_object(message)
+        return self._step_shard(message, time.perf_counter())
 
-        assert self._dp is not None
-        shard = shard_groups(message.groups, self._dp.rank, self._dp.world_size)
-        local = [t for group in shard.groups for t in group]
+    def _step_shard(self, message: _DPStep, started: float) -> _StepResult:
+        """This process's part of a step: its group-aligned shard of `message.groups` (all
+        of them in one process, the world-size-1 case)."""
+        groups, shard = message.groups, None
+        if self._dp is not None:
+            from ppo_trainer.distributed import shard_groups
+
+            shard = shard_groups(message.groups, self._dp.rank, self._dp.world_size)
+            groups = shard.groups
+        local = [t for group in groups for t in group]
         advantages = None  # GAE: the updater computes token advantages from its values
         if self.config.advantage != "gae":
             # Per group, and groups are never split: the same advantages as one process.
-            advantages = [a for group in shard.groups for a in self._advantages(group)]
+            advantages = [a for group in groups for a in self._advantages(group)]
         batch = None
         if local:
             batch = pack_batch(
@@ -533,46 +521,6 @@ class PPOTrainer:
             reward_mean=sum(t.reward for t in everything) / len(everything),
         )
 
-    def _step_in_worker(self, groups: list[list[Trajectory]], export: bool) -> _StepResult:
-        started = time.perf_counter()
-        if self._dp is not None:
-            message = _DPStep(
-                groups=groups,
-                sync_due=export,
-                export=export and self._weight_sink is not None,
-                version=self._version,
-                current_version=self._version if self._weights_are_version else None,
-            )
-            self._dp.broadcast_object(message)
-            return self._dp_step(message, started)
-        trajectories = [t for group in groups for t in group]
-        advantages = None  # GAE: the updater computes token advantages from its values
-        if self.config.advantage != "gae":
-            advantages = [a for group in groups for a in self._advantages(group)]
-        batch = pack_batch(
-            trajectories,
-            advantages,
-            pad_token_id=self._pad_token_id,
-            mm_inputs_fn=self._mm_inputs_fn,
-            current_version=self._version if self._weights_are_version else None,
-        )
-        metrics = self._updater.step(batch)
-        step_s = time.perf_counter() - started
-        weights, export_s = None, 0.0
-        if export and self._weight_sink is not None:
-            export_started = time.perf_counter()
-            weights = self._updater.export_weights()
-            export_s = time.perf_counter() - export_started
-        rewards = [t.reward for t in trajectories]
-        return _StepResult(
-            metrics=metrics,
-            weights=weights,
-            step_s=step_s,
-            export_s=export_s,
-            tokens=batch.num_tokens,
-            reward_mean=sum(rewards) / len(rewards),
-        )
-
     def _advantages(self, group: list[Trajectory]) -> list[float]:
         rewards = torch.tensor([[t.reward for t in group]], dtype=torch.float32)
         if self.config.advantage == "rloo":
@@ -590,13 +538,7 @@ class PPOTrainer:
         (rank 0 only, on the event loop) adds the caller's files (the app: the rollouters'
         in-flight partials); periodic checkpoints point `latest` at `path` only after it
         returns, so `latest` never names a checkpoint without them."""
-        state = TrainerState(
-            step=self._step,
-            version=self._version,
-            consumed_response_ids=tuple(self._consumed.response_ids),
-            consumed_group_ids=tuple(self._consumed.group_ids),
-            consumed_prompt_ids=tuple(self._consumed.prompt_ids),
-        )
+        state = self._consumed.state(self._step, self._version)
         saved = await self._in_worker(save_checkpoint, path, self._updater, state)
         logger.info("saved checkpoint %s (step %d)", saved, self._step)
         if self._on_checkpoint is not None and (self._dp is None or self._dp.is_leader):
@@ -611,9 +553,7 @@ class PPOTrainer:
         self._step = state.step
         self._version = state.version
         self._weights_are_version = True  # the sink is assumed to get these weights as `version`
-        self._consumed = _ConsumedIds(
-            state.consumed_response_ids, state.consumed_group_ids, state.consumed_prompt_ids
-        )
+        self._consumed = ConsumedIds.of_state(state)
         logger.info("loaded checkpoint %s (step %d, version %d)", path, self._step, self._version)
 
     @classmethod
@@ -631,33 +571,6 @@ class PPOTrainer:
 
     async def _in_worker(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-
-class _ConsumedIds:
-    """Distinct response, group and prompt ids consumed so far, each in first-seen order.
-
-    Insertion-ordered sets (dict keys): a response seen twice (re-delivered) is stored once.
-    They grow with the run (a resume must skip every prompt trained on);
-    `TrainerState.to_json` writes them compactly.
-    """
-
-    def __init__(
-        self,
-        response_ids: Sequence[str] = (),
-        group_ids: Sequence[str] = (),
-        prompt_ids: Sequence[str] = (),
-    ) -> None:
-        self.response_ids: dict[str, None] = dict.fromkeys(response_ids)
-        self.group_ids: dict[str, None] = dict.fromkeys(group_ids)
-        self.prompt_ids: dict[str, None] = dict.fromkeys(prompt_ids)
-
-    def add_groups(self, groups: Sequence[list[Trajectory]]) -> None:
-        for group in groups:
-            for t in group:
-                self.response_ids[t.response_id] = None
-                self.group_ids[t.group_id] = None
-                if t.prompt_id:
-                    self.prompt_ids[t.prompt_id] = None
 
 
 @dataclass(frozen=True, slots=True)
