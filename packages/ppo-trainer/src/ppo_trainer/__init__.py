@@ -9,7 +9,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ppo_trainer.checkpoint_meta import TrainerState, read_checkpoint_meta
+from ppo_trainer.checkpoint_files import (
+    CheckpointError,
+    CheckpointSearch,
+    find_usable_checkpoint,
+    remove_leftovers,
+    verify_checkpoint,
+    write_manifest,
+)
+from ppo_trainer.checkpoint_meta import ConsumedIds, TrainerState, read_checkpoint_meta
 from ppo_trainer.config import PPOConfig
 from ppo_trainer.protocols import (
     BatchSource,
@@ -44,10 +52,14 @@ if TYPE_CHECKING:
     from ppo_trainer.staleness import group_staleness
     from ppo_trainer.trainer import PPOTrainer, StopReason, TrainSummary
     from ppo_trainer.update import PolicyUpdater, export_weights
+    from ppo_trainer.weights import WeightPusher
 
 __all__ = [
     "TRAJECTORY_SCHEMA_VERSION",
     "BatchSource",
+    "CheckpointError",
+    "CheckpointSearch",
+    "ConsumedIds",
     "DPStrategy",
     "DataParallel",
     "GroupShard",
@@ -65,10 +77,12 @@ __all__ = [
     "TrainSummary",
     "TrainerState",
     "Trajectory",
+    "WeightPusher",
     "WeightSink",
     "aggregate_loss",
     "entropy_from_logits",
     "export_weights",
+    "find_usable_checkpoint",
     "gae_advantages",
     "group_staleness",
     "grpo_advantages",
@@ -80,10 +94,13 @@ __all__ = [
     "pack_batch",
     "policy_loss",
     "read_checkpoint_meta",
+    "remove_leftovers",
     "rloo_advantages",
     "shard_groups",
     "token_logprobs",
     "value_loss",
+    "verify_checkpoint",
+    "write_manifest",
 ]
 
 # name -> module of the torch-dependent part of the API (imported on first access).
@@ -113,6 +130,7 @@ _LAZY = {
     "group_staleness": "staleness",
     "PolicyUpdater": "update",
     "export_weights": "update",
+    "WeightPusher": "weights",
 }
 
 

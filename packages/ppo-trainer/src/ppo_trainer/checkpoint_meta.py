@@ -66,6 +66,8 @@ class TrainerState:
                 **responses,
                 "consumed_group_ids": list(self.consumed_group_ids),
                 "consumed_prompt_ids": list(self.consumed_prompt_ids),
+                # Checkpoints written from now on have a manifest: one without it is damaged.
+                "has_manifest": True,
                 "config": config or {},
             }
         )

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from ppo_trainer.advantages import grpo_advantages, rloo_advantages
 from ppo_trainer.batch import pack_batch
 from ppo_trainer.checkpoint import load_checkpoint, save_checkpoint, update_latest
+from ppo_trainer.checkpoint_files import CheckpointError, verify_checkpoint, write_manifest
 from ppo_trainer.checkpoint_meta import ConsumedIds
 from ppo_trainer.config import PPOConfig
 from ppo_trainer.protocols import (
@@ -103,6 +105,7 @@ class PPOTrainer:
         pad_token_id: int = 0,
         data_parallel: DataParallel | None = None,
         on_checkpoint: Callable[[Path], Awaitable[None]] | None = None,
+        checkpoint_labels: Mapping[str, str] | None = None,
     ) -> None:
         self.config = config or PPOConfig()
         if data_parallel is not None and data_parallel.strategy == "fsdp2" and optimizer:
@@ -120,6 +123,9 @@ class PPOTrainer:
         self._metrics_sink = metrics_sink
         # Adds the caller's own files to each checkpoint directory (see `save_checkpoint`).
         self._on_checkpoint = on_checkpoint
+        # Written into each checkpoint's manifest; `verify_checkpoint(expect_labels=)` checks
+        # them (e.g. {"model": name}: a resume with another model is refused up front).
+        self._checkpoint_labels = dict(checkpoint_labels or {})
         self._mm_inputs_fn = mm_inputs_fn
         self._pad_token_id = pad_token_id
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppo-trainer")
@@ -537,18 +543,29 @@ class PPOTrainer:
         Runs in the worker thread, so it never overlaps a step. Then `on_checkpoint(path)`
         (rank 0 only, on the event loop) adds the caller's files (the app: the rollouters'
         in-flight partials); periodic checkpoints point `latest` at `path` only after it
-        returns, so `latest` never names a checkpoint without them."""
+        returns, so `latest` never names a checkpoint without them. The manifest is
+        rewritten after the caller's files, so it lists them too and is written last."""
         state = self._consumed.state(self._step, self._version)
-        saved = await self._in_worker(save_checkpoint, path, self._updater, state)
+        labels = self._checkpoint_labels
+        saved = await self._in_worker(
+            functools.partial(save_checkpoint, labels=labels), path, self._updater, state
+        )
         logger.info("saved checkpoint %s (step %d)", saved, self._step)
         if self._on_checkpoint is not None and (self._dp is None or self._dp.is_leader):
             await self._on_checkpoint(saved)
+            await self._in_worker(write_manifest, saved, labels)
         return saved
 
     async def load_checkpoint(self, path: str | Path) -> None:
-        """Restore everything `save_checkpoint` wrote, into this trainer's model/optimizer."""
+        """Restore everything `save_checkpoint` wrote, into this trainer's model/optimizer.
+
+        Raises `CheckpointError` (one line) if `verify_checkpoint` finds it damaged, or it
+        is another model's."""
         if self._running:
             raise RuntimeError("cannot load a checkpoint while train() is running")
+        problem = await self._in_worker(verify_checkpoint, path)
+        if problem is not None:
+            raise CheckpointError(f"{Path(path).resolve()}: {problem}")
         state = await self._in_worker(load_checkpoint, path, self._updater)
         self._step = state.step
         self._version = state.version
