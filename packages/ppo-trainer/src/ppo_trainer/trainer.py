@@ -563,9 +563,7 @@ class PPOTrainer:
         is another model's."""
         if self._running:
             raise RuntimeError("cannot load a checkpoint while train() is running")
-        problem = await self._in_worker(verify_checkpoint, path)
-        if problem is not None:
-            raise CheckpointError(f"{Path(path).resolve()}: {problem}")
+        await self._in_worker(_raise_if_damaged, path)
         state = await self._in_worker(load_checkpoint, path, self._updater)
         self._step = state.step
         self._version = state.version
@@ -616,6 +614,12 @@ class _StepResult:
     export_s: float
     tokens: int
     reward_mean: float
+
+
+def _raise_if_damaged(path: str | Path) -> None:
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise CheckpointError(f"{Path(path).resolve()}: {problem}")
 
 
 async def _next_item(iterator: AsyncIterator[_T]) -> _T | object:
