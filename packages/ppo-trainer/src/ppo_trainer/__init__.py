@@ -25,6 +25,7 @@ from ppo_trainer.protocols import (
     MetricsSink,
     MetricValue,
     MultiModalInputsFn,
+    StalenessBound,
     WeightSink,
 )
 from ppo_trainer.types import TRAJECTORY_SCHEMA_VERSION, MultiModalRef, Timings, Trajectory
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     )
     from ppo_trainer.schedule import lr_multiplier
     from ppo_trainer.sources import iterate_batch_source
-    from ppo_trainer.staleness import group_staleness
+    from ppo_trainer.staleness import MaxStaleness, group_staleness
     from ppo_trainer.trainer import PPOTrainer, StopReason, TrainSummary
     from ppo_trainer.update import PolicyUpdater, export_weights
     from ppo_trainer.weights import WeightPusher
@@ -64,6 +65,7 @@ __all__ = [
     "DataParallel",
     "GroupShard",
     "GroupSource",
+    "MaxStaleness",
     "MetricValue",
     "MetricsSink",
     "MultiModalInputsFn",
@@ -72,6 +74,7 @@ __all__ = [
     "PPOTrainer",
     "PackedBatch",
     "PolicyUpdater",
+    "StalenessBound",
     "StopReason",
     "Timings",
     "TrainSummary",
@@ -128,6 +131,7 @@ _LAZY = {
     "StopReason": "trainer",
     "TrainSummary": "trainer",
     "group_staleness": "staleness",
+    "MaxStaleness": "staleness",
     "PolicyUpdater": "update",
     "export_weights": "update",
     "WeightPusher": "weights",

@@ -7,6 +7,7 @@ from typing import Literal
 
 __all__ = [
     "ADVANTAGE_MODES",
+    "DEFAULT_MAX_STALENESS",
     "IS_LEVELS",
     "IS_MODES",
     "KL_ESTIMATORS",
@@ -32,6 +33,11 @@ KLEstimator = Literal["k1", "k2", "k3", "abs"]
 LRSchedule = Literal["constant", "linear", "cosine"]
 ISLevel = Literal["token", "sequence"]
 ISMode = Literal["truncate", "mask"]
+
+# The staleness bound k of the whole stack (rollouter and app use the same value): two
+# versions of lag keep the rollouter busy while the trainer steps, and the decoupled loss
+# corrects that much off-policyness.
+DEFAULT_MAX_STALENESS = 2
 
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
@@ -155,8 +161,9 @@ class PPOConfig:
     # --- asynchrony ---------------------------------------------------------------------
     sync_every: int = 1
     """Push weights (and bump the policy version) every this many steps."""
-    max_staleness: int = 4
-    """Drop a group whose staleness (version - min token version) exceeds this."""
+    max_staleness: int = DEFAULT_MAX_STALENESS
+    """Drop a group whose staleness (version - min token version) exceeds this (unless the
+    trainer is given a `StalenessBound`, which then decides)."""
     initial_version: int = 0
     """Policy version of the weights the trainer starts with."""
     background_push: bool = True

@@ -16,6 +16,7 @@ __all__ = [
     "MetricValue",
     "MetricsSink",
     "MultiModalInputsFn",
+    "StalenessBound",
     "WeightSink",
 ]
 
@@ -66,3 +67,15 @@ class MultiModalInputsFn(Protocol):
     """
 
     def __call__(self, ref: MultiModalRef) -> Mapping[str, torch.Tensor]: ...
+
+
+@runtime_checkable
+class StalenessBound(Protocol):
+    """The one staleness bound of a run (the app builds it once and hands it to every
+    component): a group whose staleness (trainer version minus its oldest generated token's
+    version) is `too_stale` is dropped, not trained on. `max_staleness` is the bound k."""
+
+    @property
+    def max_staleness(self) -> int: ...
+
+    def too_stale(self, staleness: int) -> bool: ...

@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ppo_trainer.protocols import MetricValue
 from ppo_trainer.types import Trajectory
 
-__all__ = ["group_staleness", "staleness_metrics"]
+__all__ = ["MaxStaleness", "group_staleness", "staleness_metrics"]
+
+
+@dataclass(frozen=True, slots=True)
+class MaxStaleness:
+    """The trainer's own `StalenessBound` (from `PPOConfig.max_staleness`) when the app
+    hands it none: staleness above `max_staleness` is too stale."""
+
+    max_staleness: int
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+    def too_stale(self, staleness: int) -> bool:
+        return staleness > self.max_staleness
 
 
 def group_staleness(group: list[Trajectory], version: int) -> int:

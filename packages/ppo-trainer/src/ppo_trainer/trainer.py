@@ -32,10 +32,11 @@ from ppo_trainer.protocols import (
     MetricsSink,
     MetricValue,
     MultiModalInputsFn,
+    StalenessBound,
     WeightSink,
 )
 from ppo_trainer.sources import iterate_groups
-from ppo_trainer.staleness import group_staleness, staleness_metrics
+from ppo_trainer.staleness import MaxStaleness, group_staleness, staleness_metrics
 from ppo_trainer.types import Trajectory
 from ppo_trainer.update import PolicyUpdater
 from ppo_trainer.weights import WeightPusher
@@ -106,8 +107,14 @@ class PPOTrainer:
         data_parallel: DataParallel | None = None,
         on_checkpoint: Callable[[Path], Awaitable[None]] | None = None,
         checkpoint_labels: Mapping[str, str] | None = None,
+        staleness_bound: StalenessBound | None = None,
     ) -> None:
         self.config = config or PPOConfig()
+        # The run's one bound (any object with `max_staleness` and `too_stale`); without
+        # one, the config's `max_staleness`.
+        self._staleness_bound: StalenessBound = staleness_bound or MaxStaleness(
+            self.config.max_staleness
+        )
         if data_parallel is not None and data_parallel.strategy == "fsdp2" and optimizer:
             raise ValueError("fsdp2 replaces the model's parameters: leave optimizer=None")
         self._dp = data_parallel
@@ -157,6 +164,11 @@ class PPOTrainer:
     def step(self) -> int:
         """Trainer steps done so far (restored by `load_checkpoint`)."""
         return self._step
+
+    @property
+    def staleness_bound(self) -> StalenessBound:
+        """The bound that decides which groups are too stale to train on."""
+        return self._staleness_bound
 
     @property
     def version(self) -> int:
@@ -337,14 +349,14 @@ class PPOTrainer:
             if not group:
                 continue
             staleness = group_staleness(group, self._version)
-            if staleness > self.config.max_staleness:
+            if self._staleness_bound.too_stale(staleness):
                 self._dropped_total += 1
                 collected.dropped.append(group)
                 logger.warning(
                     "dropped group %s: staleness %d > max_staleness %d",
                     group[0].group_id,
                     staleness,
-                    self.config.max_staleness,
+                    self._staleness_bound.max_staleness,
                 )
                 continue
             collected.groups.append(group)
@@ -394,7 +406,7 @@ class PPOTrainer:
             if self._pusher.last_push_s is not None:
                 metrics["weights/push_s"] = self._pusher.last_push_s
         iteration_s = time.perf_counter() - iteration_start
-        metrics.update(staleness_metrics(collected.staleness, self.config.max_staleness))
+        metrics.update(staleness_metrics(collected.staleness, self._staleness_bound.max_staleness))
         metrics.update(
             {
                 "trainer/step_s": result.step_s,
