@@ -36,7 +36,12 @@ from ppo_trainer.protocols import (
     WeightSink,
 )
 from ppo_trainer.sources import iterate_groups
-from ppo_trainer.staleness import MaxStaleness, group_staleness, staleness_metrics
+from ppo_trainer.staleness import (
+    MaxStaleness,
+    group_staleness,
+    old_token_fraction,
+    staleness_metrics,
+)
 from ppo_trainer.types import Trajectory
 from ppo_trainer.update import PolicyUpdater
 from ppo_trainer.weights import WeightPusher
@@ -495,9 +500,12 @@ class PPOTrainer:
             version=self._version,
             current_version=self._version if self._weights_are_version else None,
         )
+        started = time.perf_counter()
         if self._dp is not None:
             self._dp.broadcast_object(message)
-        return self._step_shard(message, time.perf_counter())
+        result = self._step_shard(message, started)
+        result.metrics["staleness/old_token_frac"] = old_token_fraction(groups, self._version)
+        return result
 
     def _step_shard(self, message: _DPStep, started: float) -> _StepResult:
         """This process's part of a step: its group-aligned shard of `message.groups` (all

@@ -7,6 +7,7 @@ worker thread so the event loop stays responsive while it computes.
 from __future__ import annotations
 
 import logging
+import os
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -32,7 +33,7 @@ from ppo_trainer.schedule import make_scheduler
 if TYPE_CHECKING:
     from ppo_trainer.distributed import DataParallel, GroupShard
 
-__all__ = ["PolicyUpdater", "export_weights"]
+__all__ = ["PolicyUpdater", "export_weights", "use_deterministic_torch"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,8 @@ class PolicyUpdater:
             min_ratio=config.min_lr_ratio,
         )
         self.generator = torch.Generator().manual_seed(config.seed)
+        if config.deterministic:
+            use_deterministic_torch(config.seed)
         if ref_model is not None:
             ref_model.requires_grad_(False)
 
@@ -601,6 +604,15 @@ def export_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         seen.add(key)
         weights[name] = tensor.detach().to("cpu", copy=True)
     return weights
+
+
+def use_deterministic_torch(seed: int) -> None:
+    """Deterministic torch kernels where they exist (a warning where not) and a seeded
+    global RNG: with the same data, two runs of a step give the same numbers. Process-wide."""
+    if torch.cuda.is_available():  # cuBLAS needs a fixed workspace to be deterministic
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.manual_seed(seed)
 
 
 def _chunks(index: torch.Tensor, parts: int) -> Iterator[torch.Tensor]:
