@@ -62,7 +62,7 @@ class MultiModalInputsFn(Protocol):
     sequences of a micro-batch and passes to `model.forward` by name, e.g. for Qwen2-VL
     `{"pixel_values": [num_patches, C*T*P*P], "image_grid_thw": [num_images, 3]}`.
     Called in the trainer's worker thread (never on the event loop), once per distinct
-    `MultiModalRef` in a step. The trajectory's `prompt_ids` must already contain the
+    `MultiModalRef` in a step. The trajectory's `prompt_token_ids` must already contain the
     expanded image placeholder tokens, as the HF processor produces them.
     """
 

@@ -543,7 +543,7 @@ class PPOTrainer:
             weights=weights,
             step_s=step_s,
             export_s=export_s,
-            tokens=sum(len(t.prompt_ids) + len(t.response_ids) for t in everything),
+            tokens=sum(len(t.prompt_token_ids) + len(t.response_ids) for t in everything),
             reward_mean=sum(t.reward for t in everything) / len(everything),
         )
 
