@@ -222,6 +222,10 @@ class PPOConfig:
             raise ValueError(f"keep_checkpoints must be >= 0, got {self.keep_checkpoints}")
         if self.checkpoint_every > 0 and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every > 0 needs checkpoint_dir")
+        self._check_modes_and_ranges()
+
+    def _check_modes_and_ranges(self) -> None:
+        """The string choices, and the ranges of the loss, KL and GAE options."""
         for name, allowed in (
             ("loss_agg", LOSS_AGG_MODES),
             ("advantage", ADVANTAGE_MODES),

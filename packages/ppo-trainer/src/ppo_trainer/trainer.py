@@ -81,6 +81,43 @@ class TrainSummary:
 
 
 @dataclass(slots=True)
+class _Tally:
+    """What one `train()` call did so far (its `TrainSummary` at the end)."""
+
+    reason: StopReason = "end_of_stream"
+    steps: int = 0
+    groups: int = 0
+    samples: int = 0
+    dropped: int = 0
+    tokens: int = 0
+    idle_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+    def add_step(self, groups: list[list[Trajectory]], tokens: int) -> None:
+        self.steps += 1
+        self.groups += len(groups)
+        self.samples += sum(len(g) for g in groups)
+        self.tokens += tokens
+
+    def summary(self, step: int, version: int, metrics: dict[str, MetricValue]) -> TrainSummary:
+        wall_s = time.perf_counter() - self.started
+        return TrainSummary(
+            reason=self.reason,
+            steps=self.steps,
+            step=step,
+            version=version,
+            groups=self.groups,
+            samples=self.samples,
+            dropped_groups=self.dropped,
+            tokens=self.tokens,
+            wall_s=wall_s,
+            idle_s=self.idle_s,
+            idle_ratio=self.idle_s / wall_s if wall_s > 0 else 0.0,
+            metrics=dict(metrics),
+        )
+
+
+@dataclass(slots=True)
 class _Collected:
     groups: list[list[Trajectory]] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
@@ -272,67 +309,57 @@ class PPOTrainer:
         iterator = iterate_groups(
             source, self.config.batch_size, lambda: self._version, end_of_stream
         )
-        started = time.perf_counter()
-        idle_s = 0.0
-        steps = groups = samples = dropped = tokens = 0
-        reason: StopReason = "end_of_stream"
+        tally = _Tally()
         self._dp_end_due = self._dp is not None
         try:
-            while True:
-                total = self.config.total_steps
-                if total is not None and self._step >= total:
-                    reason = "total_steps"
-                    break
-                if self._stop_event.is_set():
-                    reason = "stopped"
-                    break
-                iteration_start = time.perf_counter()
-                collected = await self._collect(iterator)
-                wait_s = time.perf_counter() - iteration_start
-                idle_s += wait_s
-                if collected.stopped:
-                    reason = "stopped"  # a partial batch is discarded, not marked consumed
-                    break
-                dropped += len(collected.dropped)
-                self._consumed.add_groups(collected.dropped)
-                if collected.groups:
-                    step_tokens = await self._train_step(collected, wait_s, iteration_start)
-                    steps += 1
-                    groups += len(collected.groups)
-                    samples += sum(len(g) for g in collected.groups)
-                    tokens += step_tokens
-                if collected.ended:
-                    reason = "end_of_stream"
-                    break
+            await self._train_loop(iterator, tally)
             await self._pusher.finish()
         finally:
             if self._dp is not None and self._dp_end_due:
                 # Release the other ranks (also after a source error; not after a failed
                 # step, whose collectives may have left them waiting elsewhere).
                 self._dp_end_due = False
-                await self._in_worker(self._dp.broadcast_object, _DPEnd(reason))
+                await self._in_worker(self._dp.broadcast_object, _DPEnd(tally.reason))
             await self._pusher.abandon(self._version)
             self._running = False
             self._stop_requested = False
             self._stop_event = None
             self._loop = None
-        wall_s = time.perf_counter() - started
-        summary = TrainSummary(
-            reason=reason,
-            steps=steps,
-            step=self._step,
-            version=self._version,
-            groups=groups,
-            samples=samples,
-            dropped_groups=dropped,
-            tokens=tokens,
-            wall_s=wall_s,
-            idle_s=idle_s,
-            idle_ratio=idle_s / wall_s if wall_s > 0 else 0.0,
-            metrics=dict(self._latest),
+        logger.info(
+            "training ended (%s) after %d steps, version %d",
+            tally.reason,
+            tally.steps,
+            self._version,
         )
-        logger.info("training ended (%s) after %d steps, version %d", reason, steps, self._version)
-        return summary
+        return tally.summary(self._step, self._version, self._latest)
+
+    async def _train_loop(self, iterator: AsyncIterator[list[Trajectory]], tally: _Tally) -> None:
+        """Collect a batch and train on it until the end of the stream, a stop or
+        `total_steps`; `tally.reason` says which."""
+        assert self._stop_event is not None
+        while True:
+            total = self.config.total_steps
+            if total is not None and self._step >= total:
+                tally.reason = "total_steps"
+                return
+            if self._stop_event.is_set():
+                tally.reason = "stopped"
+                return
+            iteration_start = time.perf_counter()
+            collected = await self._collect(iterator)
+            wait_s = time.perf_counter() - iteration_start
+            tally.idle_s += wait_s
+            if collected.stopped:
+                tally.reason = "stopped"  # a partial batch is discarded, not marked consumed
+                return
+            tally.dropped += len(collected.dropped)
+            self._consumed.add_groups(collected.dropped)
+            if collected.groups:
+                step_tokens = await self._train_step(collected, wait_s, iteration_start)
+                tally.add_step(collected.groups, step_tokens)
+            if collected.ended:
+                tally.reason = "end_of_stream"
+                return
 
     async def _collect(self, iterator: AsyncIterator[list[Trajectory]]) -> _Collected:
         """Pull groups until `batch_size` fresh ones, the end of the stream or a stop."""
@@ -445,13 +472,11 @@ class PPOTrainer:
     async def _follow(self) -> TrainSummary:
         """`train()` on a rank other than 0: take each step's groups from rank 0, train on
         this rank's shard, until rank 0 says the run ended."""
-        started = time.perf_counter()
-        steps = groups = samples = tokens = 0
-        reason: StopReason = "end_of_stream"
+        tally = _Tally()
         while True:
             received = await self._in_worker(self._follow_in_worker)
             if isinstance(received, _DPEnd):
-                reason = received.reason
+                tally.reason = received.reason
                 break
             message, result = received
             self._step += 1
@@ -463,26 +488,9 @@ class PPOTrainer:
             self._latest = metrics
             if self._metrics_sink is not None:
                 self._metrics_sink.log(metrics, self._step)
-            steps += 1
-            groups += len(message.groups)
-            samples += sum(len(g) for g in message.groups)
-            tokens += result.tokens
+            tally.add_step(message.groups, result.tokens)
             await self._maybe_checkpoint()
-        wall_s = time.perf_counter() - started
-        return TrainSummary(
-            reason=reason,
-            steps=steps,
-            step=self._step,
-            version=self._version,
-            groups=groups,
-            samples=samples,
-            dropped_groups=0,
-            tokens=tokens,
-            wall_s=wall_s,
-            idle_s=0.0,
-            idle_ratio=0.0,
-            metrics=dict(self._latest),
-        )
+        return tally.summary(self._step, self._version, self._latest)
 
     def _follow_in_worker(self) -> _DPEnd | tuple[_DPStep, _StepResult]:
         assert self._dp is not None
