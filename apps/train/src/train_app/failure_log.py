@@ -13,7 +13,8 @@ recorded). A resumed run appends to the same file.
 
 The log is capped: when `failures.jsonl` would pass `max_bytes`, it is renamed to
 `failures.1.jsonl` (replacing the one before) and a new one is started, so the two files hold
-the most recent failures (at least `max_bytes` of them) and never more than about twice that.
+the most recent failures (together at least `max_bytes` of them) and never more than twice that (or
+twice one write batch, if a batch is larger).
 Every failure is still counted: `failures.counts.json` holds the total, the count per error
 type and how many were rotated away, across replicas and resumes (`read_failure_counts`).
 Rotation and the counts file are updated under an exclusive `flock` on a lock file beside
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "MAX_FAILURE_LOG_BYTES",
     "FailureJournal",
+    "failure_summary",
     "read_failure_counts",
     "read_failures",
     "rotated_path",
@@ -200,6 +202,25 @@ def read_failure_counts(path: str | Path) -> dict[str, Any]:
     with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
         counts.update(json.loads(path.read_text()))
     return counts
+
+
+def failure_summary(path: str | Path) -> str:
+    """One line for a run's summary: how many failures there were and what the capped log
+    still holds, e.g. `1204 (Timeout 1200, ValueError 4); 204 in failures.jsonl and
+    failures.1.jsonl, 1000 older ones rotated out (counts: failures.counts.json)`."""
+    counts = read_failure_counts(path)
+    if not counts["total"]:
+        return "0"
+    by_type = ", ".join(f"{k} {v}" for k, v in sorted(counts["by_type"].items()))
+    name, rotated = Path(path).name, rotated_path(path).name
+    kept = counts["total"] - counts["dropped_by_rotation"]
+    text = f"{counts['total']} ({by_type}); {kept} in {name}"
+    if counts["dropped_by_rotation"]:
+        text += (
+            f" and {rotated}, {counts['dropped_by_rotation']} older ones rotated out "
+            f"(counts: {_sibling(Path(path), '.counts.json').name})"
+        )
+    return text
 
 
 def _write_all(fd: int, data: bytes) -> None:
