@@ -4,6 +4,7 @@ ratios, on hand-made metric rows (no runs)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from bench_app.cli import main
@@ -184,3 +185,30 @@ def test_the_plot_has_a_panel_per_seed(tmp_path) -> None:
     path = plot(_five_seed_runs(), tmp_path / "reward_vs_wall.png")
     width, height = Image.open(path).size
     assert width > 3 * height  # five panels side by side
+
+
+def test_quick_e2e_is_one_seed_of_a_few_steps_and_the_default_five_seeds(
+    monkeypatch, tmp_path
+) -> None:
+    """Which runs the bench asks for (the app runs are replaced by a recorder: this is about
+    the bench's choice of runs and its report, not about training)."""
+    import bench_app.e2e_bench as e2e
+
+    calls = []
+
+    def fake_run_app(mode, seed, steps, runs_dir, extra):
+        calls.append((mode, seed, steps))
+        rewards = [0.0] * 10 + [1.0] * max(0, steps - 10)
+        wait = 0.2 if mode == "sync" else 0.0
+        return figures_from_records(mode, seed, _records(rewards, 0.3, wait, 0.0), {})
+
+    monkeypatch.setattr(e2e, "_run_app", fake_run_app)
+    monkeypatch.chdir(tmp_path)
+    report = e2e.run(quick=True)
+    assert calls == [("sync", 0, e2e.QUICK_STEPS), ("async", 0, e2e.QUICK_STEPS)]
+    assert [row["seed"] for row in report.rows] == ["0", "mean"]
+    calls.clear()
+    report = e2e.run(quick=False, steps=30)
+    assert sorted({seed for _, seed, _ in calls}) == [0, 1, 2, 3, 4]
+    assert len(report.rows) == 6 and report.figures["async_lost_seeds"] == 0
+    assert Path(report.figures["plot"]).exists() and Path(report.figures["per_run"]).exists()

@@ -356,7 +356,7 @@ def plot(runs: dict[tuple[str, int], RunFigures], path: Path) -> Path:
     cols = min(len(seeds), PLOT_COLUMNS)
     rows = math.ceil(len(seeds) / cols)
     fig, axes = plt.subplots(
-        rows, cols, figsize=(3.6 * cols, 3.2 * rows), squeeze=False, sharey=True,
+        rows, cols, figsize=(max(3.6 * cols, 6.0), 3.2 * rows), squeeze=False, sharey=True,
         constrained_layout=True,
     )  # fmt: skip
     colours = {"sync": "tab:blue", "async": "tab:orange"}
@@ -378,7 +378,7 @@ def plot(runs: dict[tuple[str, int], RunFigures], path: Path) -> Path:
         axes[index // cols][index % cols].set_visible(False)
     axes[0][0].set_ylabel(f"reward ({RUNNING_MEAN}-step running mean)")
     axes[0][0].legend(loc="lower right")
-    fig.suptitle("time to a target reward: async vs sync, per seed")
+    fig.suptitle("reward vs training seconds, async and sync, per seed")
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
