@@ -62,7 +62,8 @@ def _run_quick(name: str, cwd: Path) -> tuple[int | None, str]:
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_HANGING[n], strict=False))
+        # Not run: a hang would cost the whole timeout. Remove the entry once it finishes.
+        pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_HANGING[n], run=False))
         if n in KNOWN_HANGING
         else n
         for n in sorted(BENCHES)
