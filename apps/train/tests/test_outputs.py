@@ -119,3 +119,25 @@ def test_a_resumed_writer_counts_the_kept_rows(tmp_path: Path) -> None:
     assert [r["step"] for r in resumed.kept] == [1, 2, 3]  # the compatible list, from the file
     assert (resumed.rows, resumed.last_row) == (4, {"step": 4, "reward/mean": 1.0})
     resumed.close()
+
+
+def test_cap_log_rotates_a_file_other_descriptors_append_to(tmp_path: Path) -> None:
+    """An actor's stdout is an `O_APPEND` descriptor onto its log: after a rotation its next
+    writes start the emptied file, and the earlier content is in `NAME.1`."""
+    import os
+
+    from train_app.outputs import cap_log
+
+    path = tmp_path / "rollout0.log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, b"old line\n" * 100)  # 900 bytes
+        assert cap_log(path, max_bytes=1000) is False
+        os.write(fd, b"old line\n" * 100)
+        assert cap_log(path, max_bytes=1000) is True
+        os.write(fd, b"new line\n")
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"new line\n"  # no hole of zeros before it
+    assert (tmp_path / "rollout0.log.1").read_bytes() == b"old line\n" * 200
+    assert cap_log(tmp_path / "missing.log", max_bytes=1) is False

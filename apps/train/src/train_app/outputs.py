@@ -20,9 +20,11 @@ from rich.console import Console
 from rich.table import Table
 
 __all__ = [
+    "MAX_LOG_BYTES",
     "MAX_PLOT_POINTS",
     "PLOTTED_KEYS",
     "MetricsWriter",
+    "cap_log",
     "iter_metrics",
     "plot_metrics",
     "plot_run",
@@ -35,6 +37,9 @@ __all__ = [
 # Points per curve of the plot: more than a 1500-pixel-wide figure can show, and a long
 # run's plot is drawn from an evenly spaced subset of its steps.
 MAX_PLOT_POINTS = 4000
+# Size at which `cap_log` moves a log aside: ample for a day of an actor's warnings, small
+# enough that a run that logs in a loop cannot fill the disk (at most twice this per log).
+MAX_LOG_BYTES = 64 * 1024 * 1024
 # The series `plot_run` draws.
 PLOTTED_KEYS = (
     "reward/mean", "staleness/mean", "staleness/max", "rollout/idle_ratio", "trainer/idle_ratio",
@@ -99,6 +104,29 @@ class MetricsWriter:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def cap_log(path: Path, max_bytes: int = MAX_LOG_BYTES) -> bool:
+    """Copy-and-truncate rotation of a log that other processes append to through file
+    descriptors of their own (an actor's stdout and stderr): past `max_bytes`, its content is
+    copied to `NAME.1` (replacing the one before) and the file is truncated in place, so every
+    writer's next `O_APPEND` write lands at its new start. Lines written between the copy and
+    the truncation are lost: a few, once per `max_bytes`. True if it rotated. Call it from a
+    thread (it copies up to `max_bytes`)."""
+    path = Path(path)
+    try:
+        if path.stat().st_size <= max_bytes:
+            return False
+    except FileNotFoundError:
+        return False
+    previous = path.with_name(path.name + ".1")
+    tmp = path.with_name(f".{path.name}.1.tmp")
+    with path.open("rb") as source, tmp.open("wb") as copy:
+        while chunk := source.read(1 << 20):
+            copy.write(chunk)
+    os.replace(tmp, previous)
+    os.truncate(path, 0)
+    return True
 
 
 def _jsonable(value: Any) -> Any:
