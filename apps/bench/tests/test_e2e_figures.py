@@ -204,11 +204,16 @@ def test_quick_e2e_is_one_seed_of_a_few_steps_and_the_default_five_seeds(
 
     monkeypatch.setattr(e2e, "_run_app", fake_run_app)
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
     report = e2e.run(quick=True)
     assert calls == [("sync", 0, e2e.QUICK_STEPS), ("async", 0, e2e.QUICK_STEPS)]
     assert [row["seed"] for row in report.rows] == ["0", "mean"]
+    # Not where the simulator looks for a calibration (the newest runs/bench-e2e-*).
+    assert Path(report.figures["plot"]).parent.name.startswith("bench-quick-e2e-")
     calls.clear()
     report = e2e.run(quick=False, steps=30)
     assert sorted({seed for _, seed, _ in calls}) == [0, 1, 2, 3, 4]
     assert len(report.rows) == 6 and report.figures["async_lost_seeds"] == 0
     assert Path(report.figures["plot"]).exists() and Path(report.figures["per_run"]).exists()
+    assert Path(report.figures["plot"]).parent.parent.resolve() == tmp_path / "runs"
+    assert Path(report.figures["plot"]).parent.name.startswith("bench-e2e-")

@@ -410,9 +410,10 @@ def run(
     seeds = seeds if seeds is not None else (QUICK_SEEDS if quick else DEFAULT_SEEDS)
     steps = steps if steps is not None else (QUICK_STEPS if quick else DEFAULT_STEPS)
     seed_list = list(range(seeds))
-    runs_dir = Path(
-        tempfile.mkdtemp(prefix="bench-e2e-", dir="runs" if Path("runs").is_dir() else None)
-    )
+    # A quick run's directory is not named `bench-e2e-*`: the simulator calibrates on the
+    # newest of those, and six steps would be a poor calibration.
+    prefix = "bench-quick-e2e-" if quick else "bench-e2e-"
+    runs_dir = Path(tempfile.mkdtemp(prefix=prefix, dir="runs" if Path("runs").is_dir() else None))
     runs: dict[tuple[str, int], RunFigures] = {}
     for seed in seed_list:
         for mode in ("sync", "async"):
