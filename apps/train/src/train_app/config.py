@@ -67,9 +67,9 @@ class TrainConfig:
     partial_rollout: bool = False
     """Keep generating across a weight push (pause in-flight requests in vLLM, load, resume)
     instead of letting them finish before the load. Off by default: with this app's short
-    responses a mid-batch pause costs more than the wait (async 1.71x vs 1.28x sync's speed,
-    `uv run apps/bench e2e`, 3 seeds); turn it on for long, uneven responses, where waiting for
-    the slowest one idles the engine (see apps/sim's GPU-scale study)."""
+    responses a mid-batch pause costs more than the wait (`uv run apps/bench e2e` measures
+    both); turn it on for long, uneven responses, where waiting for the slowest one idles the
+    engine (see apps/sim's GPU-scale study)."""
 
     pause_mode: Literal["keep", "abort"] = "keep"
     """How vLLM pauses in-flight requests during a push (abort: resubmit the rest later)."""
