@@ -28,6 +28,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "trainer": ("bench_app.trainer_bench", "tokens/s: PPOTrainer vs a minimal torch loop"),
     "e2e": ("bench_app.e2e_bench", "time to reward 0.7: async vs its sync mode, 3 seeds"),
     "study": ("bench_app.study_bench", "time to 0.7 over k x pacing x correction, 3 seeds each"),
+    "scale": (
+        "bench_app.scale_bench",
+        "cost vs model size (0.1M..0.5B) and response length: push, trainer, memory",
+    ),
     "sim": (
         "bench_app.sim_bench",
         "simulator: calibration error vs e2e, 10k steps CPU time, 64:64 GPUs at 7B",
