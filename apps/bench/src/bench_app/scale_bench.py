@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import os
 import shutil
+import sys
 import tempfile
 import time
 import uuid
@@ -79,6 +80,11 @@ LONG_QUICK = ((8, 16, 4, 8), (512, 2, 2, 4), (4096, 1, 1, 1))
 
 
 # -- processes: memory ----------------------------------------------------------------------
+
+
+def _progress(message: str) -> None:
+    """One line on stderr per phase: a full run takes many minutes."""
+    print(f"[scale {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def _vm_hwm_bytes(pid: int | str = "self") -> int:
@@ -411,9 +417,12 @@ def _measure_size(size: ModelSize, workdir: Path, quick: bool) -> dict[str, Any]
     model = _build_model(size, directory)
     build_s = time.perf_counter() - started
     params = sum(p.numel() for p in model.parameters())
+    _progress(f"{size.name}: {params / 1e6:.1f}M parameters built; engine and pushes")
     engine = asyncio.run(_engine_part(size, directory, model, quick))
     memcpy_s = _memcpy_s(engine["bytes"])
+    _progress(f"{size.name}: trainer vs minimal loop")
     trainer = _trainer_part(size, model)
+    _progress(f"{size.name}: checkpoint")
     checkpoint = _checkpoint_part(size, model, directory)
     shutil.rmtree(directory, ignore_errors=True)
     push_s = engine["export_s"] + engine["transfer_s"] + engine["load_s"]
@@ -621,6 +630,7 @@ def run(quick: bool) -> BenchReport:
     workdir = Path(tempfile.mkdtemp(prefix="scale-bench-"))
     try:
         measured = [_measure_size(size, workdir, quick) for size in sizes]
+        _progress("queue with 4k-token groups")
         queue = _queue_part(quick)
     finally:
         import ray
