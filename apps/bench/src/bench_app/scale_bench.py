@@ -48,6 +48,7 @@ TRAINER_TARGET = 0.9  # trainer_vs_minimal goal at every size
 ROLLOUT_TARGET = 0.9  # rollouter tokens/s / direct at every response length
 MIN_FREE_GIB_05B = 12.0  # below this much available memory the 0.5B size is skipped
 LONG_PROMPT_TOKENS = 8
+RAY_START_ATTEMPTS = 3  # a loaded machine can time out Ray's node start-up (as the app does)
 QUEUE_GROUP_SIZE = 8
 QUEUE_RESPONSE_TOKENS = 4096
 
@@ -602,7 +603,14 @@ def _start_ray() -> tuple[float, str | None]:
         return 0.0, None
     temp_dir = tempfile.mkdtemp(prefix="scalebench", dir="/tmp")
     started = time.perf_counter()
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+            break
+        except Exception as error:  # Ray raises a bare Exception on a start-up timeout
+            if "timed out during startup" not in str(error) or attempt == RAY_START_ATTEMPTS:
+                raise
+            _progress(f"Ray did not start ({error}); retrying")
     return time.perf_counter() - started, temp_dir
 
 
