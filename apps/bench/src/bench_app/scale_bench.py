@@ -48,7 +48,8 @@ TRAINER_TARGET = 0.9  # trainer_vs_minimal goal at every size
 ROLLOUT_TARGET = 0.9  # rollouter tokens/s / direct at every response length
 MIN_FREE_GIB_05B = 12.0  # below this much available memory the 0.5B size is skipped
 LONG_PROMPT_TOKENS = 8
-RAY_START_ATTEMPTS = 3  # a loaded machine can time out Ray's node start-up (as the app does)
+# Ray's raylet gives its metrics agent a fixed 15 s to start; a loaded machine can miss it.
+RAY_START_ATTEMPTS = 5
 QUEUE_GROUP_SIZE = 8
 QUEUE_RESPONSE_TOKENS = 4096
 
@@ -611,6 +612,7 @@ def _start_ray() -> tuple[float, str | None]:
             if "timed out during startup" not in str(error) or attempt == RAY_START_ATTEMPTS:
                 raise
             _progress(f"Ray did not start ({error}); retrying")
+            ray.shutdown()
     return time.perf_counter() - started, temp_dir
 
 
