@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import json
 import os
 import shutil
 import sys
@@ -639,7 +640,10 @@ def run(quick: bool) -> BenchReport:
     ray_s, temp_dir = _start_ray()
     workdir = Path(tempfile.mkdtemp(prefix="scale-bench-"))
     try:
-        measured = [_measure_size(size, workdir, quick) for size in sizes]
+        measured = []
+        for size in sizes:
+            measured.append(_measure_size(size, workdir, quick))
+            _progress(f"{size.name} done: {json.dumps(_size_row(measured[-1]), default=str)}")
         _progress("queue with 4k-token groups")
         queue = _queue_part(quick)
     finally:
