@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--settings",
         default="",
-        help="study: comma-separated settings to run (default: the whole grid)",
+        help="study: comma-separated settings to run (default: the whole grid); "
+        "scale: the model sizes to run, e.g. '100M,0.5B'",
     )
     parser.add_argument(
         "--calibration",

@@ -491,32 +491,51 @@ def _queue_part(quick: bool) -> dict[str, Any]:
 # -- report ----------------------------------------------------------------------------------
 
 
-def _size_row(m: dict[str, Any]) -> dict[str, Any]:
-    gib = 2**30
-    return {
-        "size": m["size"],
-        "params M": m["params"] / 1e6,
-        "MiB pushed": m["bytes"] / 2**20,
-        "memcpy ms": 1e3 * m["memcpy_s"],
-        "export ms": 1e3 * m["export_s"],
-        "transfer ms": 1e3 * m["transfer_s"],
-        "load ms": 1e3 * m["load_s"],
-        "pause ms": 1e3 * m["pause_s"],
-        "push/memcpy": m["push_vs_memcpy"],
-        "train s/1k tok": m["trainer_s_per_1k"],
-        "minimal s/1k tok": m["minimal_s_per_1k"],
-        "trainer/minimal": m["trainer_vs_minimal"],
-        "ckpt save MB/s": m["ckpt_save_bytes_s"] / 1e6,
-        "ckpt load MB/s": m["ckpt_load_bytes_s"] / 1e6,
-        "disk MB/s": m["disk_write_bytes_s"] / 1e6,
-        "RSS GiB trainer/minimal/actor/core": "/".join(
-            f"{m[k] / gib:.2f}"
-            for k in ("trainer_peak_rss", "minimal_peak_rss", "actor", "engine_core")
+def _row(size: str, measure: str, value: float, baseline: float | None = None) -> dict:
+    ratio = value / baseline if baseline else ""
+    return {"size": size, "measure": measure, "value": value, "baseline": baseline or "",
+            "value/baseline": ratio}  # fmt: skip
+
+
+def _size_rows(m: dict[str, Any]) -> list[dict[str, Any]]:
+    """Long format (size, measure, value, baseline): readable at any terminal width."""
+    name, gib, ms = m["size"], 2**30, 1e3
+    return [
+        _row(name, "parameters (M)", m["params"] / 1e6),
+        _row(name, "MiB pushed", m["bytes"] / 2**20),
+        _row(name, "push ms (export+transfer+load) | memcpy", ms * m["push_s"], ms * m["memcpy_s"]),
+        _row(name, "  export ms | memcpy", ms * m["export_s"], ms * m["memcpy_s"]),
+        _row(name, "  transfer ms (put+fetch) | memcpy", ms * m["transfer_s"], ms * m["memcpy_s"]),
+        _row(name, "  vLLM load ms | memcpy", ms * m["load_s"], ms * m["memcpy_s"]),
+        _row(name, "pause ms | vLLM load", ms * m["pause_s"], ms * m["load_s"]),
+        _row(name, "trainer s/1k tok | minimal", m["trainer_s_per_1k"], m["minimal_s_per_1k"]),
+        _row(
+            name,
+            "trainer peak RSS GiB | minimal",
+            m["trainer_peak_rss"] / gib,
+            m["minimal_peak_rss"] / gib,
         ),
-        "start s actor/import/engine": "/".join(
-            f"{m[k]:.1f}" for k in ("actor_s", "vllm_import_s", "engine_start_s")
+        _row(
+            name,
+            "ckpt save MB/s | disk write+fsync",
+            m["ckpt_save_bytes_s"] / 1e6,
+            m["disk_write_bytes_s"] / 1e6,
         ),
-    }
+        _row(
+            name,
+            "ckpt load MB/s | disk write+fsync",
+            m["ckpt_load_bytes_s"] / 1e6,
+            m["disk_write_bytes_s"] / 1e6,
+        ),
+        _row(name, "ckpt MiB", m["ckpt_bytes"] / 2**20),
+        _row(name, "peak RSS GiB: this process", m["driver_peak_rss"] / gib),
+        _row(name, "peak RSS GiB: engine actor", m["actor"] / gib),
+        _row(name, "peak RSS GiB: engine core", m["engine_core"] / gib),
+        _row(name, "start s: model build", m["build_s"]),
+        _row(name, "start s: engine actor up", m["actor_s"]),
+        _row(name, "start s: import vllm (actor)", m["vllm_import_s"]),
+        _row(name, "start s: VLLMEngine.create", m["engine_start_s"]),
+    ]
 
 
 def _long_rows(measured: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -526,15 +545,8 @@ def _long_rows(measured: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], di
             (d_tokens, d_s), (r_tokens, r_s) = run["direct"], run["rollouter"]
             ratio = (r_tokens / r_s) / (d_tokens / d_s)
             figures[f"rollouter_vs_direct_{m['size']}_{run['tokens']}"] = round(ratio, 3)
-            rows.append(
-                {
-                    "size": f"{m['size']} long",
-                    "response tokens": run["tokens"],
-                    "direct tok/s": d_tokens / d_s,
-                    "rollouter tok/s": r_tokens / r_s,
-                    "rollouter/direct": ratio,
-                }
-            )
+            measure = f"rollouter tok/s | direct, {run['tokens']}-token responses"
+            rows.append(_row(m["size"], measure, r_tokens / r_s, d_tokens / d_s))
     return rows, figures
 
 
@@ -582,11 +594,14 @@ def _plot(measured: list[dict[str, Any]], path: Path) -> None:
     plt.close(figure)
 
 
-def _sizes(quick: bool) -> tuple[list[ModelSize], list[str]]:
+def _sizes(quick: bool, grid: list[str]) -> tuple[list[ModelSize], list[str]]:
     import psutil
 
     notes = []
-    names = QUICK_SIZES if quick else tuple(SIZES)
+    unknown = sorted(set(grid) - set(SIZES))
+    if unknown:
+        raise ValueError(f"unknown sizes {unknown}; choose from {', '.join(SIZES)}")
+    names = grid or (QUICK_SIZES if quick else tuple(SIZES))
     sizes = []
     for name in names:
         free_gib = psutil.virtual_memory().available / 2**30
@@ -635,15 +650,17 @@ def _notes(measured: list[dict[str, Any]], queue: dict[str, Any], plot: Path) ->
     ]
 
 
-def run(quick: bool) -> BenchReport:
-    sizes, notes = _sizes(quick)
+def run(quick: bool, grid: list[str] | None = None) -> BenchReport:
+    """`grid` (the CLI's --settings): the sizes to run, e.g. ["100M", "0.5B"]."""
+    sizes, notes = _sizes(quick, grid or [])
     ray_s, temp_dir = _start_ray()
     workdir = Path(tempfile.mkdtemp(prefix="scale-bench-"))
     try:
         measured = []
         for size in sizes:
             measured.append(_measure_size(size, workdir, quick))
-            _progress(f"{size.name} done: {json.dumps(_size_row(measured[-1]), default=str)}")
+            done = {k: v for k, v in measured[-1].items() if k != "long"}
+            _progress(f"{size.name} done: {json.dumps(done, default=str)}")
         _progress("queue with 4k-token groups")
         queue = _queue_part(quick)
     finally:
@@ -657,6 +674,7 @@ def run(quick: bool) -> BenchReport:
     out.mkdir(parents=True, exist_ok=True)
     plot = out / "scale_vs_params.png"
     _plot(measured, plot)
+    (out / "measured.json").write_text(json.dumps(measured, indent=1, default=str))
     long_rows, long_figures = _long_rows(measured)
     figures = {
         **_figures(measured),
@@ -669,7 +687,7 @@ def run(quick: bool) -> BenchReport:
     }
     return BenchReport(
         title=f"Scaling with model size and response length ({'quick' if quick else 'full'})",
-        rows=[_size_row(m) for m in measured] + long_rows,
+        rows=[row for m in measured for row in _size_rows(m)] + long_rows,
         figures=figures,
         notes=notes + _notes(measured, queue, plot),
     )
