@@ -28,6 +28,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "trainer": ("bench_app.trainer_bench", "tokens/s: PPOTrainer vs a minimal torch loop"),
     "e2e": ("bench_app.e2e_bench", "time to reward 0.7: async vs its sync mode, 5 seeds"),
     "study": ("bench_app.study_bench", "time to 0.7 over k x pacing x correction, 3 seeds each"),
+    "scale": (
+        "bench_app.scale_bench",
+        "cost vs model size (0.1M..0.5B) and response length: push, trainer, memory",
+    ),
     "sim": (
         "bench_app.sim_bench",
         "simulator: calibration error vs e2e, 10k steps CPU time, 64:64 GPUs at 7B",
@@ -76,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--settings",
         default="",
-        help="study: comma-separated settings to run (default: the whole grid)",
+        help="study: comma-separated settings to run (default: the whole grid); "
+        "scale: the model sizes to run, e.g. '100M,0.5B'",
     )
     parser.add_argument(
         "--calibration",
