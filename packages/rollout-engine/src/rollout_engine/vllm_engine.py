@@ -418,11 +418,6 @@ class VLLMEngine:
             )
         return int(counts[0]) if counts else 0
 
-    async def weight_checksum(self) -> float:
-        """Sum of the worker's parameters (debugging aid)."""
-        (checksum, *_) = await self._control(self._llm.collective_rpc("rollout_weight_checksum"))
-        return float(checksum)
-
     async def close(self) -> None:
         """Shut vLLM down (engine-core process included)."""
         loop = asyncio.get_running_loop()

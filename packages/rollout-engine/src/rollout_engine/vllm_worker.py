@@ -59,11 +59,6 @@ class WeightSyncWorkerExtension:
                 continue
         return sorted(os.sched_getaffinity(0))
 
-    def rollout_weight_checksum(self) -> float:
-        """Sum of all parameters (a cheap fingerprint for tests and debugging)."""
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        return float(sum(p.detach().double().sum().item() for p in model.parameters()))
-
     def _rollout_reload(self, weights: dict[str, torch.Tensor]) -> int:
         import torch
 
