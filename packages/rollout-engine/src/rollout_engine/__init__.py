@@ -20,8 +20,9 @@ from rollout_engine.episode import (
     run_blocking,
     run_in_process,
 )
+from rollout_engine.admission import StalenessBound
 from rollout_engine.rollouter import (
-    FailedSample,
+    FailedGroup,
     LoopState,
     RolloutConfig,
     Rollouter,
@@ -59,7 +60,7 @@ __all__ = [
     "Environment",
     "EnvironmentFactory",
     "EpisodeConfig",
-    "FailedSample",
+    "FailedGroup",
     "GenerationEngine",
     "GroupSnapshot",
     "ImageRef",
@@ -78,6 +79,7 @@ __all__ = [
     "RolloutStats",
     "Rollouter",
     "SamplingConfig",
+    "StalenessBound",
     "StepResult",
     "SyncEnvironment",
     "Timings",
@@ -102,4 +104,11 @@ def __getattr__(name: str) -> Any:
                 "`rollout-engine[vllm]` (GPU)"
             ) from exc
         return VLLMEngine
+    if name == "FailedSample":
+        import warnings
+
+        warnings.warn(
+            "FailedSample is deprecated: use FailedGroup", DeprecationWarning, stacklevel=2
+        )
+        return FailedGroup
     raise AttributeError(f"module 'rollout_engine' has no attribute {name!r}")

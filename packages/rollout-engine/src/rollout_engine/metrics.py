@@ -22,9 +22,11 @@ Metric names are part of the interface (design.md):
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -32,7 +34,7 @@ __all__ = [
     "DRAIN_INTERRUPT_WINDOW",
     "METRIC_NAMES",
     "STATS_SCHEMA_VERSION",
-    "FailedSample",
+    "FailedGroup",
     "GroupOutcome",
     "IdleClock",
     "RolloutCounters",
@@ -40,7 +42,7 @@ __all__ = [
     "count_partial",
 ]
 
-# 2: `FailedSample.sample_id` became `prompt_id` (it always held the prompt's id).
+# 2: `FailedGroup.sample_id` became `prompt_id` (it always held the prompt's id).
 STATS_SCHEMA_VERSION = 2
 
 # How many recent drain-interrupt latencies the counters keep (the max is kept over the run).
@@ -58,8 +60,10 @@ METRIC_NAMES = (
 )
 
 
-class FailedSample(msgspec.Struct, kw_only=True):
-    """A group that never reached the sink because its task raised (or was cancelled)."""
+class FailedGroup(msgspec.Struct, kw_only=True):
+    """A group that never reached the sink because its task raised (or was cancelled).
+
+    Formerly `FailedSample` (the name still imports, with a `DeprecationWarning`)."""
 
     schema_version: int = STATS_SCHEMA_VERSION
     prompt_id: str  # PromptSample.prompt_id of the failed group
@@ -203,3 +207,14 @@ class RolloutCounters:
 def count_partial(token_versions: Sequence[Sequence[int]]) -> int:
     """Responses whose tokens come from more than one weight version."""
     return sum(1 for versions in token_versions if len(set(versions)) > 1)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FailedSample":
+        warnings.warn(
+            "FailedSample is deprecated: use FailedGroup (it always described a failed group)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return FailedGroup
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
