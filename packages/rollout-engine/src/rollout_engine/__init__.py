@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from rollout_engine.admission import StalenessBound
 from rollout_engine.episode import (
     Environment,
     EnvironmentFactory,
@@ -20,7 +21,6 @@ from rollout_engine.episode import (
     run_blocking,
     run_in_process,
 )
-from rollout_engine.admission import StalenessBound
 from rollout_engine.rollouter import (
     FailedGroup,
     LoopState,
