@@ -49,6 +49,13 @@ class WeightSyncWorkerExtension:
 
         return self._rollout_reload(load_file(path, device="cpu"))
 
+    def rollout_watch_host(self, host_pid: int) -> list[int]:
+        """End this process (and the engine core above it) when `host_pid` exits; see
+        `rollout_engine.host_watch`."""
+        from rollout_engine.host_watch import watch_host
+
+        return watch_host(host_pid)
+
     def rollout_set_cpu_affinity(self, cpus: Sequence[int]) -> list[int]:
         """Pin every thread of this process to `cpus` (threads made later inherit it)."""
         wanted = set(cpus)
