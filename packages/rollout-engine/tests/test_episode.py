@@ -316,8 +316,8 @@ async def test_a_weight_push_inside_a_turn(mode: str) -> None:
             turn_request = call.request_id.rsplit(":", 1)[0]
             done_before = len(engine.returned[turn_request][0].token_ids)
             original = next(c for c in engine.calls if c.request_id == turn_request)
-            assert call.prompt_ids[: len(original.prompt_token_ids)] == original.prompt_token_ids
-            assert len(call.prompt_ids) == len(original.prompt_token_ids) + done_before
+            assert call.prompt_ids[: len(original.prompt_ids)] == original.prompt_ids
+            assert len(call.prompt_ids) == len(original.prompt_ids) + done_before
             assert call.max_tokens == 48 - done_before
 
 
