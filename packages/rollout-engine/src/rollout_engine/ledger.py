@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections import Counter, deque
 from collections.abc import Callable
+from typing import Protocol
 
 from rollout_engine.failures import FailureStreak, RepeatedFailureLog, RolloutFailed
 from rollout_engine.group import GroupJob
@@ -21,6 +22,14 @@ from rollout_engine.metrics import FailedGroup, GroupOutcome, RolloutCounters
 __all__ = ["GroupLedger", "is_cancellation"]
 
 logger = logging.getLogger(__name__)
+
+
+class _LedgerConfig(Protocol):
+    @property
+    def recent_failures(self) -> int: ...
+
+    @property
+    def max_consecutive_failures(self) -> int: ...
 
 
 def is_cancellation(error: BaseException) -> bool:
@@ -50,6 +59,20 @@ class GroupLedger:
         self.fatal: RolloutFailed | None = None  # set when the streak reaches its limit
         self.downstream_dropped = 0
         self.requeued = 0  # delivered on this rollouter's behalf before it ran
+
+    @classmethod
+    def for_config(
+        cls,
+        config: _LedgerConfig,
+        clock: Callable[[], float],
+        on_failure: Callable[[FailedGroup], None] | None,
+    ) -> GroupLedger:
+        return cls(
+            recent_failures=config.recent_failures,
+            max_consecutive_failures=config.max_consecutive_failures,
+            clock=clock,
+            on_failure=on_failure,
+        )
 
     @property
     def consumed_slots(self) -> int:

@@ -54,6 +54,7 @@ from rollout_engine.prompt_source import PromptSource
 from rollout_engine.restore_queue import RestoreQueue
 from rollout_engine.runners import make_group_runner
 from rollout_engine.snapshot import GroupSnapshot, ResponseSnapshot, RolloutSnapshot
+from rollout_engine.stall_watch import StallWatch
 from rollout_engine.types import (
     GenerationEngine,
     MultiModalPreprocessor,
@@ -135,12 +136,7 @@ class Rollouter:
             self._bound.max_staleness, config.groups_per_version, base_version=engine.version
         )
         self._pacing = pacing if pacing is not None else self._default_pacing(config)
-        self._ledger = GroupLedger(
-            recent_failures=config.recent_failures,
-            max_consecutive_failures=config.max_consecutive_failures,
-            clock=clock,
-            on_failure=on_failure,
-        )
+        self._ledger = GroupLedger.for_config(config, clock, on_failure)
         self._restore_queue = RestoreQueue(config.group_size)
         # Shared state; changed only under _lock, in critical sections without awaits.
         self._lock = asyncio.Lock()
@@ -150,15 +146,12 @@ class Rollouter:
         # out of `_active`; referenced here until they end (see `_abandon`).
         self._abandoned: set[asyncio.Task[GroupOutcome]] = set()
         self._stop_requested = asyncio.Event()
-        # Loop bookkeeping.
         self._pending: PromptSample | GroupSnapshot | None = None
         self._state: LoopState = "idle"
         self._resumed_at: float | None = None
         self._idle = IdleClock()
         self._run_started = False
-        # Loop time of the last version change, and whether this stall was warned about.
-        self._version_changed_at = 0.0
-        self._stall_warned = False
+        self._stall = StallWatch(config.stall_warning_s, _loop_time)
         self._reward_pool: ThreadPoolExecutor | None = None
         self._prompt_pool: ThreadPoolExecutor | None = None
         self._groups = make_group_runner(
@@ -225,7 +218,7 @@ class Rollouter:
             raise RuntimeError("Rollouter.run() can only be called once")
         self._run_started = True
         self._idle.start(self._clock())
-        self._version_changed_at = asyncio.get_running_loop().time()
+        self._stall.start()
         try:
             await self._dispatch_until_exhausted()
             await self._wait_for_in_flight()
@@ -396,8 +389,7 @@ class Rollouter:
             self._resumed_at = self._clock()
         if self._gate.open(version):
             self._pacing.on_version(self._clock())
-            self._version_changed_at = _loop_time(self._version_changed_at)
-            self._stall_warned = False
+            self._stall.version_changed()
         self._refresh_idle()
 
     def on_downstream_drop(self, count: int = 1) -> None:
@@ -520,40 +512,17 @@ class Rollouter:
         # on_weights() sets `admitting`, whichever is first; the state lock is not held.
         self._gate.admitting.clear()
         self._set_state("paused" if blocker == "paused" else "draining")
-        timeout = self._stall_timeout() if blocker == "budget" else None
+        budget = blocker == "budget"
+        timeout = self._stall.seconds_left() if budget else None
         await self._wait_first(events=(self._gate.admitting,), at_most_s=timeout)
-        if blocker == "budget":
-            self._warn_if_stalled()
+        if budget and self._state == "draining" and self._budget() <= 0:
+            self._stall.warn_if_stalled(self._describe_stall)
 
-    def _stall_timeout(self) -> float | None:
-        """Seconds until a budget wait with no new version counts as a stall (None: warned)."""
-        if self._stall_warned:
-            return None
-        elapsed = asyncio.get_running_loop().time() - self._version_changed_at
-        return max(0.0, self._config.stall_warning_s - elapsed)
-
-    def _warn_if_stalled(self) -> None:
-        """One warning per stall: admission has waited on the budget for `stall_warning_s`
-        with no new weight version, so nothing may be consuming what it delivers."""
-        if self._stall_warned or self._state != "draining" or self._budget() > 0:
-            return
-        waited = asyncio.get_running_loop().time() - self._version_changed_at
-        if waited < self._config.stall_warning_s:
-            return
-        self._stall_warned = True
-        logger.warning(
-            "admission has waited %.0f s on the staleness budget with no new weight version "
-            "(version %d, pacing %r, lookahead %d of max_staleness %d, %d delivered, %d in "
-            "flight): nothing has called on_weights()/update_weights(). Without a trainer "
-            "(batch generation, evaluation) set RolloutConfig(generation_only=True); "
-            "otherwise check that the consumer advances the version",
-            waited,
-            self._gate.version,
-            self._config.pacing,
-            self.lookahead,
-            self._bound.max_staleness,
-            self._ledger.counters.delivered,
-            len(self._active),
+    def _describe_stall(self) -> str:
+        return (
+            f"version {self._gate.version}, pacing {self._config.pacing!r}, lookahead "
+            f"{self.lookahead} of max_staleness {self._bound.max_staleness}, "
+            f"{self._ledger.counters.delivered} delivered, {len(self._active)} in flight"
         )
 
     async def _wait_first(
@@ -781,9 +750,9 @@ class Rollouter:
         self._idle.set_idle(self._gate.paused or out_of_budget, self._clock())
 
 
-def _loop_time(fallback: float) -> float:
-    """The running loop's time (virtual under a test clock), or `fallback` off the loop."""
+def _loop_time() -> float:
+    """The running loop's time (virtual under a test loop clock); monotonic off the loop."""
     try:
         return asyncio.get_running_loop().time()
     except RuntimeError:
-        return fallback
+        return time.monotonic()
