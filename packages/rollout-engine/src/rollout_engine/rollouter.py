@@ -48,6 +48,7 @@ from rollout_engine.continuation import PartialResponse
 from rollout_engine.episode import EnvironmentFactory, EpisodeConfig, EpisodeRunner
 from rollout_engine.failures import RolloutFailed
 from rollout_engine.group import GroupJob
+from rollout_engine.in_flight import InFlightGroups
 from rollout_engine.ledger import GroupLedger, is_cancellation
 from rollout_engine.metrics import FailedGroup, GroupOutcome, IdleClock, RolloutStats, count_partial
 from rollout_engine.prompt_source import PromptSource
@@ -140,11 +141,7 @@ class Rollouter:
         self._restore_queue = RestoreQueue(config.group_size)
         # Shared state; changed only under _lock, in critical sections without awaits.
         self._lock = asyncio.Lock()
-        self._active: set[asyncio.Task[GroupOutcome]] = set()
-        self._jobs: dict[asyncio.Task[GroupOutcome], GroupJob] = {}
-        # Tasks that ignored cancellation past stop_timeout_s: already counted as failed and
-        # out of `_active`; referenced here until they end (see `_abandon`).
-        self._abandoned: set[asyncio.Task[GroupOutcome]] = set()
+        self._in_flight = InFlightGroups()
         self._stop_requested = asyncio.Event()
         self._pending: PromptSample | GroupSnapshot | None = None
         self._state: LoopState = "idle"
@@ -333,7 +330,7 @@ class Rollouter:
         """The state now; no await, so it is one consistent moment."""
         seed = self._config.sampling.seed
         groups: list[GroupSnapshot] = []
-        for task, job in self._jobs.items():
+        for task, job in self._in_flight.jobs():
             if task.done():  # delivered, dropped or failed: reaped soon, not in flight
                 continue
             live = self._groups.responses_of(job.group_id)
@@ -413,7 +410,7 @@ class Rollouter:
             delivered=counters.delivered,
             failed=counters.failed,
             dropped=counters.dropped,
-            in_flight=len(self._active),
+            in_flight=len(self._in_flight),
             version=self._gate.version,
             budget=self._budget(),
             state=self._state,
@@ -479,10 +476,10 @@ class Rollouter:
             return "paused"
         if not self._config.generation_only and self._budget() <= 0:
             return "budget"
-        if len(self._active) >= self._config.max_concurrency:
+        if len(self._in_flight) >= self._config.max_concurrency:
             return "concurrency"
         new_prompt = not isinstance(self._pending, GroupSnapshot)
-        if new_prompt and any(job.restored for job in self._jobs.values()):
+        if new_prompt and self._in_flight.restored_running():
             # Restored groups (a resume or a restart) finish before any new prompt starts:
             # their oldest tokens may be k versions old, so they must reach the queue ahead
             # of new groups or be dropped as too stale with every token they carry.
@@ -495,7 +492,7 @@ class Rollouter:
         return self._admission.budget(
             self._gate.version,
             self._ledger.consumed_slots,
-            len(self._active),
+            len(self._in_flight),
             lookahead=self.lookahead,
         )
 
@@ -522,7 +519,7 @@ class Rollouter:
         return (
             f"version {self._gate.version}, pacing {self._config.pacing!r}, lookahead "
             f"{self.lookahead} of max_staleness {self._bound.max_staleness}, "
-            f"{self._ledger.counters.delivered} delivered, {len(self._active)} in flight"
+            f"{self._ledger.counters.delivered} delivered, {len(self._in_flight)} in flight"
         )
 
     async def _wait_first(
@@ -536,7 +533,7 @@ class Rollouter:
         waiters = [asyncio.ensure_future(e.wait()) for e in (*events, self._stop_requested)]
         try:
             await asyncio.wait(
-                {*self._active, *futures, *waiters},
+                {*self._in_flight.tasks, *futures, *waiters},
                 timeout=at_most_s,
                 return_when=asyncio.FIRST_COMPLETED,
             )
@@ -578,8 +575,7 @@ class Rollouter:
                 restored=restored or None,
             )
             task = asyncio.create_task(self._run_group(job), name=f"rollout:{job.group_id}")
-            self._active.add(task)
-            self._jobs[task] = job
+            self._in_flight.add(task, job)
             self._ledger.admitted()
             self._gate.admitting.set()
         self._set_state("admitting")
@@ -593,12 +589,12 @@ class Rollouter:
             self._resumed_at = None
 
     async def _wait_for_in_flight(self) -> None:
-        while self._active and not self._stop_requested.is_set():
+        while self._in_flight and not self._stop_requested.is_set():
             self._set_state("finishing")
             await self._wait_first()
 
     async def _cancel_in_flight(self) -> None:
-        tasks = list(self._active)
+        tasks = list(self._in_flight.tasks)
         for task in tasks:
             task.cancel()
         if tasks:
@@ -609,43 +605,22 @@ class Rollouter:
 
     async def _abandon(self, tasks: set[asyncio.Task[GroupOutcome]]) -> None:
         """Give up on cancelled tasks that did not unwind within `stop_timeout_s`: count each
-        as a failed (cancelled) group now and take it out of `_active`, so the books balance
-        with `in_flight == 0`. A done-callback retrieves its exception when it finally ends
-        (no "Task exception was never retrieved"); `_abandoned` keeps it referenced."""
+        as a failed (cancelled) group now and take it out of the in-flight set, so the books
+        balance with `in_flight == 0`; each is left to end on its own."""
         timeout = self._config.stop_timeout_s
-        abandoned = 0
         async with self._lock:
-            for task in tasks:
-                if task.done() or task not in self._active:
-                    continue  # finished meanwhile (reaped as usual) or already abandoned
-                self._active.discard(task)
-                job = self._jobs.pop(task)
-                self._abandoned.add(task)
-                task.add_done_callback(self._abandoned_task_done)
+            abandoned = self._in_flight.abandon(tasks)
+            for job in abandoned:
                 error = asyncio.CancelledError(f"stopped; did not unwind within {timeout} s")
                 self._record_failure(job, error)
-                abandoned += 1
         if abandoned:
             logger.warning(
                 "%d group tasks did not unwind within stop_timeout_s=%s after cancel; "
                 "counted as failed and left to end on their own",
-                abandoned,
+                len(abandoned),
                 timeout,
             )
         self._refresh_idle()
-
-    def _abandoned_task_done(self, task: asyncio.Task[GroupOutcome]) -> None:
-        self._abandoned.discard(task)
-        if task.cancelled():
-            return
-        error = task.exception()  # retrieved: never "Task exception was never retrieved"
-        if error is None:
-            logger.warning(
-                "group task %s ended normally after it was counted as failed at stop",
-                task.get_name(),
-            )
-        else:
-            logger.debug("abandoned group task %s ended with %r", task.get_name(), error)
 
     # ------------------------------------------------------------------ one group
 
@@ -709,13 +684,11 @@ class Rollouter:
     # ------------------------------------------------------------------ accounting
 
     async def _reap_finished(self) -> None:
-        """Remove finished tasks from `_active` (the same set object) and account for them."""
-        if not any(task.done() for task in self._active):
+        """Take finished tasks out of the in-flight set and account for them."""
+        if not self._in_flight.any_done():
             return
         async with self._lock:
-            for task in [task for task in self._active if task.done()]:
-                self._active.discard(task)
-                job = self._jobs.pop(task)
+            for task, job in self._in_flight.pop_done():
                 self._ledger.account(task, job, stopping=self._stop_requested.is_set())
                 self._stop_if_fatal()
         self._note_restored_progress()
@@ -732,7 +705,7 @@ class Rollouter:
     def _note_restored_progress(self) -> None:
         self._restore_queue.note_progress(
             restored_pending=isinstance(self._pending, GroupSnapshot),
-            restored_running=any(job.restored for job in self._jobs.values()),
+            restored_running=self._in_flight.restored_running(),
         )
 
     def _final_state(self) -> LoopState:
@@ -746,7 +719,7 @@ class Rollouter:
 
     def _refresh_idle(self) -> None:
         """Idle = a weight push holds us paused, or the budget is out and nothing is in flight."""
-        out_of_budget = self._state == "draining" and not self._active
+        out_of_budget = self._state == "draining" and not self._in_flight
         self._idle.set_idle(self._gate.paused or out_of_budget, self._clock())
 
 
