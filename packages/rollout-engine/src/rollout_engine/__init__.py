@@ -21,6 +21,7 @@ from rollout_engine.episode import (
     run_blocking,
     run_in_process,
 )
+from rollout_engine.group_filter import GroupFilter, ZeroVarianceFilter
 from rollout_engine.rollouter import (
     FailedGroup,
     LoopState,
@@ -62,6 +63,7 @@ __all__ = [
     "EpisodeConfig",
     "FailedGroup",
     "GenerationEngine",
+    "GroupFilter",
     "GroupSnapshot",
     "ImageRef",
     "LoopState",
@@ -86,6 +88,7 @@ __all__ = [
     "Trajectory",
     "TrajectorySink",
     "VLLMEngine",
+    "ZeroVarianceFilter",
     "environment_reward",
     "load_snapshot",
     "run_blocking",

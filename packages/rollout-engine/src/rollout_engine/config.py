@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rollout_engine.admission import PacingName, StalenessBound
+from rollout_engine.group_filter import GroupFilterName
 from rollout_engine.types import PauseMode, SamplingConfig
 
 __all__ = ["DEFAULT_MAX_STALENESS", "LoopState", "RolloutConfig"]
@@ -93,6 +94,9 @@ class RolloutConfig:
     # How many recent FailedGroups `Rollouter.failures` keeps (counts per error type are
     # kept for the whole run; pass `on_failure` to see every one).
     recent_failures: int = 256
+    # Dynamic sampling: "zero-variance" drops (and replaces) groups whose rewards all
+    # match; see rollout_engine.group_filter.
+    filter_groups: GroupFilterName = "none"
     # No consumer advances the version: admit up to max_concurrency, ignore the budget.
     generation_only: bool = False
     # Warn (once per stall) when admission has waited this long on the staleness budget with
@@ -116,6 +120,10 @@ class RolloutConfig:
         for name in ("pacing_margin", "recent_failures", "stall_warning_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.filter_groups not in ("none", "zero-variance"):
+            raise ValueError(
+                f"filter_groups must be 'none' or 'zero-variance', got {self.filter_groups!r}"
+            )
         if self.pause_mode not in ("keep", "abort"):
             raise ValueError(f"pause_mode must be 'keep' or 'abort', got {self.pause_mode!r}")
 

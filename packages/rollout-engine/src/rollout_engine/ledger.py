@@ -94,7 +94,7 @@ class GroupLedger:
             return
         outcome = task.result()
         self.counters.record(outcome)
-        if outcome.delivered:  # a dropped (too stale) group neither resets nor counts
+        if outcome.delivered or outcome.filtered:  # generated fine; a too stale one is neither
             self._streak.success()
 
     def record_failure(self, job: GroupJob, error: BaseException, stopping: bool) -> None:

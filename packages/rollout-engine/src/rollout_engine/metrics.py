@@ -17,6 +17,7 @@ Metric names are part of the interface (design.md):
   over the whole run, with `v_now` the version when the sink's `put` returned. The drop
   check (`> max_staleness`) runs just before the put; a put that waits across weight pushes
   (a full queue) delivers a staler group, and `staleness/max` then reports more than `k`.
+- `rollout/filtered_groups`: groups dropped by the group filter (dynamic sampling) so far.
 - `tokens/s`: tokens generated (delivered and dropped groups) / run seconds.
 """
 
@@ -54,6 +55,7 @@ METRIC_NAMES = (
     "rollout/partial_ratio",
     "rollout/drain_interrupt_ms",
     "rollout/pacing_lookahead",
+    "rollout/filtered_groups",
     "staleness/mean",
     "staleness/max",
     "tokens/s",
@@ -77,7 +79,8 @@ class FailedGroup(msgspec.Struct, kw_only=True):
 class RolloutStats(msgspec.Struct, kw_only=True):
     """A snapshot of the rollouter. Counts are groups unless named otherwise.
 
-    Invariant at every snapshot: `admitted == delivered + failed + dropped + in_flight`.
+    Invariant at every snapshot:
+    `admitted == delivered + failed + dropped + filtered + in_flight`.
     """
 
     schema_version: int = STATS_SCHEMA_VERSION
@@ -85,6 +88,7 @@ class RolloutStats(msgspec.Struct, kw_only=True):
     delivered: int = 0
     failed: int = 0
     dropped: int = 0  # too stale at delivery (see admission.py)
+    filtered: int = 0  # rejected by the group filter (dynamic sampling; group_filter.py)
     in_flight: int = 0
     version: int = 0
     budget: int = 0
@@ -115,6 +119,7 @@ class GroupOutcome:
     staleness: tuple[int, ...]  # per response; when the sink's put returned, if delivered
     generated_tokens: int
     partial: int
+    filtered: bool = False  # generated, not too stale, rejected by the group filter
 
 
 class IdleClock:
@@ -165,6 +170,7 @@ class RolloutCounters:
     delivered: int = 0
     failed: int = 0
     dropped: int = 0
+    filtered: int = 0
     trajectories: int = 0
     partial: int = 0
     resumed: int = 0
@@ -182,6 +188,9 @@ class RolloutCounters:
 
     def record(self, outcome: GroupOutcome) -> None:
         self.generated_tokens += outcome.generated_tokens
+        if outcome.filtered:
+            self.filtered += 1
+            return
         if not outcome.delivered:
             self.dropped += 1
             return

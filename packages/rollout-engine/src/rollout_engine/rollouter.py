@@ -48,6 +48,7 @@ from rollout_engine.continuation import PartialResponse
 from rollout_engine.episode import EnvironmentFactory, EpisodeConfig, EpisodeRunner
 from rollout_engine.failures import RolloutFailed
 from rollout_engine.group import GroupJob
+from rollout_engine.group_filter import GroupFilter, make_group_filter
 from rollout_engine.in_flight import InFlightGroups
 from rollout_engine.ledger import GroupLedger, is_cancellation
 from rollout_engine.metrics import FailedGroup, GroupOutcome, IdleClock, RolloutStats, count_partial
@@ -99,6 +100,7 @@ class Rollouter:
     `pacing` overrides the policy named by `config.pacing` (any `PacingPolicy`).
     `staleness_bound` is the bound shared with the consumer; without it,
     `StalenessBound(config.max_staleness)`. When given, it is the one that counts.
+    `group_filter` (any `GroupFilter`) overrides the filter named by `config.filter_groups`.
 
     Multi-turn: with `environment` (a factory of one `Environment` per episode), each group
     member is an episode of up to `episode.max_turns` turns (see `rollout_engine.episode`);
@@ -125,6 +127,7 @@ class Rollouter:
         environment: EnvironmentFactory | None = None,
         episode: EpisodeConfig | None = None,
         staleness_bound: StalenessBound | None = None,
+        group_filter: GroupFilter | None = None,
     ) -> None:
         self._engine = engine
         self._sink = sink
@@ -137,6 +140,7 @@ class Rollouter:
             self._bound.max_staleness, config.groups_per_version, base_version=engine.version
         )
         self._pacing = pacing if pacing is not None else self._default_pacing(config)
+        self._filter = group_filter or make_group_filter(config.filter_groups)
         self._ledger = GroupLedger.for_config(config, clock, on_failure)
         self._restore_queue = RestoreQueue(config.group_size)
         # Shared state; changed only under _lock, in critical sections without awaits.
@@ -223,12 +227,13 @@ class Rollouter:
             await self._shut_down()
         stats = self.stats()
         logger.info(
-            "rollout %s: %d admitted, %d delivered, %d failed, %d dropped",
+            "rollout %s: %d admitted, %d delivered, %d failed, %d dropped, %d filtered",
             stats.state,
             stats.admitted,
             stats.delivered,
             stats.failed,
             stats.dropped,
+            stats.filtered,
         )
         if self._ledger.fatal is not None:
             raise self._ledger.fatal
@@ -410,6 +415,7 @@ class Rollouter:
             delivered=counters.delivered,
             failed=counters.failed,
             dropped=counters.dropped,
+            filtered=counters.filtered,
             in_flight=len(self._in_flight),
             version=self._gate.version,
             budget=self._budget(),
@@ -442,6 +448,7 @@ class Rollouter:
             "rollout/partial_ratio": self._ledger.counters.partial_ratio,
             "rollout/drain_interrupt_ms": stats.drain_interrupt_ms,
             "rollout/pacing_lookahead": float(stats.lookahead),
+            "rollout/filtered_groups": float(stats.filtered),
             "staleness/mean": stats.staleness_mean,
             "staleness/max": float(stats.staleness_max),
             "tokens/s": stats.generated_tokens / elapsed if elapsed > 0 else 0.0,
@@ -642,6 +649,9 @@ class Rollouter:
                 self._bound.max_staleness,
             )
             return outcome
+        if not self._filter.keep(trajectories):  # its slot is freed: a new prompt replaces it
+            logger.debug("group %s filtered out (%s)", job.group_id, type(self._filter).__name__)
+            return dataclasses.replace(outcome, delivered=False, filtered=True)
         await self._sink.put(trajectories)
         # The put may have waited across weight pushes: the metrics report the staleness of
         # what was delivered, at the version when the sink took it (see the module docstring).
