@@ -111,6 +111,7 @@ async def test_metrics_use_design_names() -> None:
             "rollout/partial_ratio",
             "rollout/drain_interrupt_ms",
             "rollout/pacing_lookahead",
+            "rollout/filtered_groups",
             "staleness/mean",
             "staleness/max",
             "tokens/s",
