@@ -84,7 +84,7 @@ def _rollout_config(**overrides: Any) -> RolloutConfig:
     base: dict[str, Any] = {
         "group_size": 2,
         "max_concurrency": 4,
-        "batch_size": 8,
+        "groups_per_step": 8,
         "max_staleness": 2,
         "sampling": SamplingConfig(max_tokens=16),
     }
@@ -131,7 +131,9 @@ def _check_against_engine(t: Trajectory, engine: RecordingEngine, prompt: list[i
     log-prob 0.0 and a version no older than the tokens before it."""
     assert len(t.response_ids) == len(t.loss_mask) == len(t.behaviour_logprobs)
     assert len(t.token_versions) == len(t.response_ids)
-    assert t.prompt_ids[: len(prompt)] == prompt and len(t.prompt_ids) == len(prompt) + 1
+    assert (
+        t.prompt_token_ids[: len(prompt)] == prompt and len(t.prompt_token_ids) == len(prompt) + 1
+    )
     member = t.response_id.rsplit(":", 1)[1]
     turn_ends = [*t.turn_starts[1:], len(t.response_ids)]
     for turn, (start, end) in enumerate(zip(t.turn_starts, turn_ends, strict=True)):
@@ -154,7 +156,7 @@ def _check_against_engine(t: Trajectory, engine: RecordingEngine, prompt: list[i
             assert min(t.token_versions[start + n : end]) >= max(t.token_versions[: start + n])
         # the turn's request saw the prompt and everything before the turn
         call = next(c for c in engine.calls if c.request_id == request)
-        assert call.prompt_ids == [*t.prompt_ids, *t.response_ids[:start]]
+        assert call.prompt_ids == [*t.prompt_token_ids, *t.response_ids[:start]]
     assert t.min_version == min(v for v, m in zip(t.token_versions, t.loss_mask, strict=True) if m)
 
 
@@ -168,7 +170,7 @@ async def test_episodes_carry_tokens_masks_and_versions_token_by_token() -> None
     engine, rollouter, sink = await _run(make_env)
     assert isinstance(engine, RecordingEngine)
     assert rollouter.stats().delivered == 3 and rollouter.stats().failed == 0
-    prompts = {p.prompt_id: p.prompt_ids for p in make_prompts(3)}
+    prompts = {p.prompt_id: p.prompt_token_ids for p in make_prompts(3)}
     assert len(sink.trajectories) == 6
     for t in sink.trajectories:
         assert t.finish_reason in ("stop", "length")
@@ -202,7 +204,7 @@ async def test_max_total_tokens_cuts_the_episode() -> None:
     )
     for t in sink.trajectories:
         assert t.finish_reason == "length"
-        assert len(t.prompt_ids) + len(t.response_ids) <= limit
+        assert len(t.prompt_token_ids) + len(t.response_ids) <= limit
         assert t.loss_mask[-1] == 1  # never ends on an observation nobody reads
     for call in engine.calls:
         assert len(call.prompt_ids) + call.max_tokens <= limit
@@ -267,7 +269,7 @@ async def test_a_weight_push_between_turns() -> None:
     await rollouter.update_weights({"w": 1}, 1)
     gate.set()
     await asyncio.wait_for(run, timeout=30)
-    prompts = {p.prompt_id: p.prompt_ids for p in make_prompts(2)}
+    prompts = {p.prompt_id: p.prompt_token_ids for p in make_prompts(2)}
     for t in sink.trajectories:
         first_end = t.turn_starts[1]
         n_first = sum(t.loss_mask[:first_end])
@@ -299,7 +301,7 @@ async def test_a_weight_push_inside_a_turn(mode: str) -> None:
     await wait_until(lambda: engine.tokens_generated >= 40 and len(engine.running_request_ids) == 4)
     await rollouter.update_weights({"w": 1}, 1)
     await asyncio.wait_for(run, timeout=30)
-    prompts = {p.prompt_id: p.prompt_ids for p in make_prompts(2)}
+    prompts = {p.prompt_id: p.prompt_token_ids for p in make_prompts(2)}
     assert rollouter.stats().delivered == 2
     for t in sink.trajectories:
         first = t.token_versions[: t.turn_starts[1]]

@@ -48,7 +48,7 @@ async def _run(make_env: Any, preprocessor: Any = None) -> tuple[FakeEngine, Rol
         make_prompts(3),
         sink,
         environment_reward,
-        RolloutConfig(group_size=2, batch_size=8, sampling=SamplingConfig(max_tokens=8)),
+        RolloutConfig(group_size=2, groups_per_step=8, sampling=SamplingConfig(max_tokens=8)),
         preprocessor=preprocessor,
         environment=make_env,
         episode=EpisodeConfig(max_turns=3),
@@ -76,14 +76,14 @@ async def test_an_image_observation_without_a_preprocessor_is_a_counted_failed_s
 async def test_a_chat_prompt_without_a_preprocessor_fails_before_any_request() -> None:
     engine = FakeEngine(FakeEngineConfig(seed=22))
     prompt = PromptSample(
-        prompt_id="chat", prompt_ids=[1, 2], messages=[{"role": "user", "content": "hi"}]
+        prompt_id="chat", prompt_token_ids=[1, 2], messages=[{"role": "user", "content": "hi"}]
     )
     rollouter = Rollouter(
         engine,
         [prompt],
         ListSink(),
         environment_reward,
-        RolloutConfig(group_size=2, batch_size=8),
+        RolloutConfig(group_size=2, groups_per_step=8),
         environment=lambda s: ShowsImage("/x.png"),
     )
     await asyncio.wait_for(rollouter.run(), timeout=30)

@@ -127,7 +127,7 @@ class BurningOnTheLoop:
 async def _probe_run(make_env: object, prompts: int, episode: EpisodeConfig) -> LagProbe:
     engine = FakeEngine(FakeEngineConfig(seed=1, median_length=8, time_per_token_s=0.001))
     config = RolloutConfig(
-        group_size=2, max_concurrency=4, batch_size=4, sampling=SamplingConfig(max_tokens=16)
+        group_size=2, max_concurrency=4, groups_per_step=4, sampling=SamplingConfig(max_tokens=16)
     )
     sink = ListSink()
     rollouter = Rollouter(

@@ -112,7 +112,8 @@ async def test_episodes_with_a_push_between_turns_on_vllm(vllm_engine, tiny_qwen
     engine = Recording(vllm_engine)
     gate, waiting = asyncio.Event(), []
     prompts = [
-        PromptSample(prompt_id=f"q{i}", prompt_ids=tokenizer.encode(f"{i}+{i}=")) for i in (1, 2)
+        PromptSample(prompt_id=f"q{i}", prompt_token_ids=tokenizer.encode(f"{i}+{i}="))
+        for i in (1, 2)
     ]
     sink = ListSink()
     rollouter = Rollouter(
@@ -123,7 +124,7 @@ async def test_episodes_with_a_push_between_turns_on_vllm(vllm_engine, tiny_qwen
         RolloutConfig(
             group_size=2,
             max_concurrency=2,
-            batch_size=2,
+            groups_per_step=2,
             max_staleness=2,
             sampling=SamplingConfig(max_tokens=10, stop_token_ids=(tokenizer.eos_token_id,)),
         ),
@@ -139,7 +140,7 @@ async def test_episodes_with_a_push_between_turns_on_vllm(vllm_engine, tiny_qwen
 
     comma = tokenizer.encode(",")
     for t in sink.trajectories:
-        assert t.prompt_ids[-1:] == comma  # reset's observation ends the prompt
+        assert t.prompt_token_ids[-1:] == comma  # reset's observation ends the prompt
         member = t.response_id.rsplit(":", 1)[1]
         first = engine.returned[f"{t.group_id}:{member}:t0"]
         second = engine.returned[f"{t.group_id}:{member}:t1"]
@@ -153,10 +154,10 @@ async def test_episodes_with_a_push_between_turns_on_vllm(vllm_engine, tiny_qwen
         assert t.behaviour_logprobs == [*first.logprobs, *masked, *second.logprobs]
         assert t.min_version == v0 and t.reward == 1.0
         # turn 2 was generated from the whole episode so far, by the new weights
-        context = [*t.prompt_ids, *first.token_ids, *observation]
+        context = [*t.prompt_token_ids, *first.token_ids, *observation]
         assert engine.contexts[f"{t.group_id}:{member}:t1"] == context
-        assert mean_abs_diff(first.logprobs, hf_logprobs(old, t.prompt_ids, first.token_ids)) < (
-            TOLERANCE
-        )
+        assert mean_abs_diff(
+            first.logprobs, hf_logprobs(old, t.prompt_token_ids, first.token_ids)
+        ) < (TOLERANCE)
         new_reference = hf_logprobs(new, context, second.token_ids)
         assert mean_abs_diff(second.logprobs, new_reference) < TOLERANCE

@@ -190,7 +190,7 @@ async def _pipeline(
         RolloutConfig(
             group_size=group_size,
             max_concurrency=max_concurrency,
-            batch_size=batch_size,
+            groups_per_step=batch_size,
             max_staleness=k,
             pacing=pacing,  # type: ignore[arg-type]
         ),

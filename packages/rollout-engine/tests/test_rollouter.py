@@ -58,7 +58,7 @@ async def test_every_prompt_becomes_one_scored_group_of_n_trajectories() -> None
 
 async def test_concurrency_limit_is_respected() -> None:
     engine = FakeEngine(FakeEngineConfig(time_per_token_s=0.001, median_length=10))
-    config = RolloutConfig(group_size=2, max_concurrency=3, batch_size=100)
+    config = RolloutConfig(group_size=2, max_concurrency=3, groups_per_step=100)
     rollouter = Rollouter(engine, make_prompts(12), ListSink(), length_reward, config)
     run = asyncio.create_task(rollouter.run())
     peak = 0
@@ -111,6 +111,7 @@ async def test_metrics_use_design_names() -> None:
             "rollout/partial_ratio",
             "rollout/drain_interrupt_ms",
             "rollout/pacing_lookahead",
+            "rollout/filtered_groups",
             "staleness/mean",
             "staleness/max",
             "tokens/s",
@@ -123,7 +124,7 @@ async def test_metrics_use_design_names() -> None:
 
 async def test_idle_ratio_counts_pause_windows() -> None:
     engine = FakeEngine(FakeEngineConfig(time_per_token_s=0.001, median_length=5))
-    config = RolloutConfig(group_size=2, max_concurrency=2, batch_size=100)
+    config = RolloutConfig(group_size=2, max_concurrency=2, groups_per_step=100)
     rollouter = Rollouter(engine, make_prompts(1000), ListSink(), length_reward, config)
     run = asyncio.create_task(rollouter.run())
     await asyncio.sleep(0.05)

@@ -26,7 +26,7 @@ def _draining_rollouter(pause_mode: str = "keep") -> tuple[FakeEngine, Rollouter
     config = RolloutConfig(
         group_size=2,
         max_concurrency=8,
-        batch_size=2,
+        groups_per_step=2,
         sync_every=1,
         max_staleness=0,  # budget = (0 + 1 + v) * 2 groups
         pause_mode=pause_mode,  # type: ignore[arg-type]

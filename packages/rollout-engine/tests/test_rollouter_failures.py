@@ -41,7 +41,7 @@ def _errors_by_prompt(request_id: str) -> BaseException | None:
 async def test_failing_tasks_leave_the_loop_running_and_every_sample_accounted() -> None:
     engine = FakeEngine(FakeEngineConfig(time_per_token_s=0.001), fail_request=_errors_by_prompt)
     sink = ListSink()
-    config = RolloutConfig(group_size=2, max_concurrency=3, batch_size=4)
+    config = RolloutConfig(group_size=2, max_concurrency=3, groups_per_step=4)
     rollouter = Rollouter(engine, make_prompts(10), sink, zero_reward, config)
     stats = await asyncio.wait_for(rollouter.run(), timeout=30)
 
@@ -104,7 +104,7 @@ async def test_seeded_random_failures_with_pushes_keep_the_books_balanced() -> N
         make_prompts(60),
         ListSink(),
         zero_reward,
-        RolloutConfig(group_size=2, max_concurrency=6, batch_size=3, pause_mode="abort"),
+        RolloutConfig(group_size=2, max_concurrency=6, groups_per_step=3, pause_mode="abort"),
     )
     run = asyncio.create_task(rollouter.run())
     version = 0
@@ -158,7 +158,7 @@ def _vision_prompts(names: list[str]) -> list[PromptSample]:
     return [
         PromptSample(
             prompt_id=f"img{i}",
-            prompt_ids=[3, 4, 5 + i],
+            prompt_token_ids=[3, 4, 5 + i],
             messages=[
                 {
                     "role": "user",

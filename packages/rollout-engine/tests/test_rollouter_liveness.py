@@ -42,7 +42,7 @@ async def test_an_always_raising_engine_ends_run_with_rollout_failed(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     engine = FakeEngine(fail_request=lambda request_id: RuntimeError("engine core died"))
-    config = RolloutConfig(group_size=2, max_concurrency=4, batch_size=1000)
+    config = RolloutConfig(group_size=2, max_concurrency=4, groups_per_step=1000)
     rollouter = Rollouter(engine, make_prompts(100_000), ListSink(), zero_reward, config)
     started = time.monotonic()
     with (
@@ -101,7 +101,7 @@ async def test_a_failure_streak_below_the_limit_does_not_stop_the_run() -> None:
         return RuntimeError("warming up") if request_id.split(":")[0] in failing else None
 
     config = RolloutConfig(
-        group_size=2, max_concurrency=1, batch_size=100, max_consecutive_failures=11
+        group_size=2, max_concurrency=1, groups_per_step=100, max_consecutive_failures=11
     )
     sink = ListSink()
     rollouter = Rollouter(
@@ -118,7 +118,7 @@ async def test_deliveries_reset_the_streak() -> None:
         return RuntimeError("flaky") if index % 2 else None
 
     config = RolloutConfig(
-        group_size=1, max_concurrency=1, batch_size=100, max_consecutive_failures=2
+        group_size=1, max_concurrency=1, groups_per_step=100, max_consecutive_failures=2
     )
     rollouter = Rollouter(
         FakeEngine(fail_request=fail), make_prompts(30), ListSink(), zero_reward, config
@@ -172,7 +172,7 @@ class ResumeFailsOnce(FakeEngine):
 
 async def test_a_failing_resume_does_not_leave_the_rollouter_paused() -> None:
     engine = ResumeFailsOnce(FakeEngineConfig(time_per_token_s=0.001, fixed_length=5))
-    config = RolloutConfig(group_size=2, max_concurrency=2, batch_size=2, max_staleness=0)
+    config = RolloutConfig(group_size=2, max_concurrency=2, groups_per_step=2, max_staleness=0)
     sink = ListSink()
     rollouter = Rollouter(engine, make_prompts(40), sink, zero_reward, config)
     run = asyncio.create_task(rollouter.run())
@@ -250,7 +250,7 @@ async def test_failures_keep_the_last_n_counts_per_type_and_a_callback_sees_all(
 
     seen = []
     # batch_size 100: the staleness budget never blocks (there are no weight pushes here).
-    config = RolloutConfig(group_size=1, max_concurrency=2, batch_size=100, recent_failures=5)
+    config = RolloutConfig(group_size=1, max_concurrency=2, groups_per_step=100, recent_failures=5)
     rollouter = Rollouter(
         FakeEngine(fail_request=fail),
         make_prompts(80),
@@ -372,7 +372,7 @@ class GatedSink(ListSink):
 async def test_staleness_is_measured_when_a_blocked_put_completes() -> None:
     sink = GatedSink()
     config = RolloutConfig(
-        group_size=2, batch_size=1, max_staleness=0, sampling=SamplingConfig(max_tokens=8)
+        group_size=2, groups_per_step=1, max_staleness=0, sampling=SamplingConfig(max_tokens=8)
     )
     rollouter = Rollouter(FakeEngine(), make_prompts(1), sink, zero_reward, config)
     run = asyncio.create_task(rollouter.run())

@@ -22,7 +22,7 @@ def _config(**overrides: object) -> RolloutConfig:
     base: dict[str, object] = {
         "group_size": 2,
         "max_concurrency": 4,
-        "batch_size": 8,
+        "groups_per_step": 8,
         "max_staleness": 2,
         "sampling": SamplingConfig(max_tokens=MAX_TOKENS),
     }
@@ -90,7 +90,7 @@ async def test_abort_mode_resubmits_prompt_plus_tokens_with_the_remaining_budget
     assert all(t.num_resumes == 1 for t in spanning)
     continuations = [c for c in engine.calls if c.n == 1]
     assert len(continuations) == rollouter.stats().resumed == len(spanning)
-    prompts = {p.prompt_id: p.prompt_ids for p in make_prompts(6)}
+    prompts = {p.prompt_id: p.prompt_token_ids for p in make_prompts(6)}
     for call in continuations:
         prompt_id, _admission, index, _resume = call.request_id.split(":")
         trajectory = _by_response(sink)[(prompt_id, index)]

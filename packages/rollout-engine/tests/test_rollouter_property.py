@@ -30,7 +30,7 @@ def _random_setup(rng: random.Random, seed: int) -> tuple[RolloutConfig, FakeEng
     config = RolloutConfig(
         group_size=rng.randint(1, 3),
         max_concurrency=rng.randint(1, 6),
-        batch_size=rng.randint(1, 4),
+        groups_per_step=rng.randint(1, 4),
         sync_every=rng.randint(1, 2),
         max_staleness=rng.randint(0, 2),
         partial_rollout=rng.random() < 0.8,
@@ -146,7 +146,7 @@ async def test_in_order_completion_with_a_trainer_consumes_nothing_staler_than_k
     config = RolloutConfig(
         group_size=2,
         max_concurrency=rng.randint(4, 12),
-        batch_size=rng.randint(1, 3),
+        groups_per_step=rng.randint(1, 3),
         sync_every=rng.randint(1, 2),
         max_staleness=rng.randint(0, 2),
         sampling=SamplingConfig(max_tokens=32),
@@ -164,7 +164,7 @@ async def test_in_order_completion_with_a_trainer_consumes_nothing_staler_than_k
     trainer_version, consumed, worst = 0, 0, 0
     async with asyncio.timeout(20):
         while consumed < prompt_count:
-            for _ in range(config.samples_per_version):
+            for _ in range(config.groups_per_version):
                 group = await queue.get()
                 consumed += 1
                 worst = max(worst, trainer_version - min(min(t.token_versions) for t in group))

@@ -37,7 +37,7 @@ def _config(**overrides: object) -> RolloutConfig:
     base: dict[str, object] = {
         "group_size": 2,
         "max_concurrency": 4,
-        "batch_size": 2,
+        "groups_per_step": 2,
         "max_staleness": K,
         "pacing": "eager",
         "pause_mode": "keep",

@@ -21,13 +21,13 @@ async def test_snapshot_mid_generation_loses_no_token_and_the_run_completes(
     vllm_engine, tiny_qwen2
 ):
     prompts = [
-        PromptSample(prompt_id=f"s{i}", prompt_ids=tiny_qwen2.tokenizer.encode(f"{i}+{i}="))
+        PromptSample(prompt_id=f"s{i}", prompt_token_ids=tiny_qwen2.tokenizer.encode(f"{i}+{i}="))
         for i in range(4)
     ]
     config = RolloutConfig(
         group_size=2,
         max_concurrency=4,
-        batch_size=4,
+        groups_per_step=4,
         max_staleness=1,
         pacing="eager",
         sampling=SamplingConfig(max_tokens=MAX_TOKENS, ignore_eos=True, seed=3),

@@ -47,7 +47,7 @@ PUSH_INTERVAL_S = 0.3
 ROLLOUT = RolloutConfig(
     group_size=4,
     max_concurrency=16,
-    batch_size=8,
+    groups_per_step=8,
     sync_every=1,
     max_staleness=0,
     pause_mode="keep",
@@ -77,7 +77,7 @@ class WaitForAllDrain:
         self._prompts = prompts
         self._sink = sink
         self._config = ROLLOUT
-        self._policy = AdmissionPolicy(ROLLOUT.max_staleness, ROLLOUT.samples_per_version)
+        self._policy = AdmissionPolicy(ROLLOUT.max_staleness, ROLLOUT.groups_per_version)
         self._tasks: set[asyncio.Task[None]] = set()
         self._resume = asyncio.Event()
         self._paused = False

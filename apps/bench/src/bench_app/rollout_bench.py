@@ -139,15 +139,15 @@ async def run_direct(engine: Any, prompts: list[Any], workload: Workload) -> tup
 
 
 async def run_rollouter(engine: Any, prompts: list[Any], workload: Workload) -> tuple[int, float]:
-    from rollout_engine import SamplingConfig
-    from rollout_engine.rollouter import RolloutConfig, Rollouter
+    from rollout_engine import RolloutConfig, Rollouter, SamplingConfig
 
     config = RolloutConfig(
         group_size=workload.group_size,
         max_concurrency=workload.max_concurrency,
-        batch_size=workload.max_concurrency,
-        # No trainer consumes here, so the version never moves: let admission admit all.
-        max_staleness=len(prompts),
+        groups_per_step=workload.max_concurrency,
+        # No trainer consumes here, so the version never moves: admission is bounded by
+        # max_concurrency alone, as in the direct side.
+        generation_only=True,
         sampling=SamplingConfig(max_tokens=workload.max_tokens, temperature=1.0, ignore_eos=True),
     )
     sink = NullSink()

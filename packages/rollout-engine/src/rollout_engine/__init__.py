@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from rollout_engine.admission import StalenessBound
 from rollout_engine.episode import (
     Environment,
     EnvironmentFactory,
@@ -20,8 +21,9 @@ from rollout_engine.episode import (
     run_blocking,
     run_in_process,
 )
+from rollout_engine.group_filter import GroupFilter, ZeroVarianceFilter
 from rollout_engine.rollouter import (
-    FailedSample,
+    FailedGroup,
     LoopState,
     RolloutConfig,
     Rollouter,
@@ -59,8 +61,9 @@ __all__ = [
     "Environment",
     "EnvironmentFactory",
     "EpisodeConfig",
-    "FailedSample",
+    "FailedGroup",
     "GenerationEngine",
+    "GroupFilter",
     "GroupSnapshot",
     "ImageRef",
     "LoopState",
@@ -78,12 +81,14 @@ __all__ = [
     "RolloutStats",
     "Rollouter",
     "SamplingConfig",
+    "StalenessBound",
     "StepResult",
     "SyncEnvironment",
     "Timings",
     "Trajectory",
     "TrajectorySink",
     "VLLMEngine",
+    "ZeroVarianceFilter",
     "environment_reward",
     "load_snapshot",
     "run_blocking",
@@ -102,4 +107,11 @@ def __getattr__(name: str) -> Any:
                 "`rollout-engine[vllm]` (GPU)"
             ) from exc
         return VLLMEngine
+    if name == "FailedSample":
+        import warnings
+
+        warnings.warn(
+            "FailedSample is deprecated: use FailedGroup", DeprecationWarning, stacklevel=2
+        )
+        return FailedGroup
     raise AttributeError(f"module 'rollout_engine' has no attribute {name!r}")

@@ -39,10 +39,40 @@ __all__ = [
     "FreshPacing",
     "PacingName",
     "PacingPolicy",
+    "StalenessBound",
     "make_pacing",
 ]
 
 PacingName = Literal["eager", "fresh"]
+
+
+@dataclass(frozen=True, slots=True)
+class StalenessBound:
+    """The staleness bound `k`: how many weight versions may separate a response's oldest
+    generated token from the version that consumes it.
+
+    Staleness is measured as `current_version - min(token versions)` over the generated
+    tokens (a response with none counts from the version its group was admitted at). Build
+    one and hand the same value to every component that checks it (rollouter, queue,
+    trainer), so they cannot disagree.
+    """
+
+    max_staleness: int
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+    @staticmethod
+    def staleness(current_version: int, token_versions: Sequence[int], admitted_at: int) -> int:
+        """`current_version - min(token_versions)`; a response with no tokens counts from the
+        version it was admitted at."""
+        oldest = min(token_versions) if token_versions else admitted_at
+        return current_version - oldest
+
+    def too_stale(self, staleness: int) -> bool:
+        """True when a response (or group, by its stalest response) is beyond the bound."""
+        return staleness > self.max_staleness
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,12 +105,11 @@ class AdmissionPolicy:
         versions_ahead = j + 1 + (version - self.base_version)
         return versions_ahead * self.samples_per_version - (delivered + in_flight)
 
-    @staticmethod
-    def staleness(current_version: int, token_versions: Sequence[int], admitted_at: int) -> int:
-        """`current_version - min(token_versions)`; a response with no tokens counts from the
-        version it was admitted at."""
-        oldest = min(token_versions) if token_versions else admitted_at
-        return current_version - oldest
+    @property
+    def bound(self) -> StalenessBound:
+        return StalenessBound(self.max_staleness)
+
+    staleness = staticmethod(StalenessBound.staleness)
 
     def too_stale(self, staleness: int) -> bool:
         """True when a group must be dropped at delivery (`staleness > k`)."""

@@ -403,7 +403,7 @@ class EpisodeRunner:
         first_images: Sequence[ImageRef] = ()
         if isinstance(first, Observation):
             first, first_images = first.token_ids, first.images
-        episode = _Episode(prompt_ids=[*job.sample.prompt_ids, *first])
+        episode = _Episode(prompt_ids=[*job.sample.prompt_token_ids, *first])
         if prompt_images is not None:
             assert job.sample.messages is not None
             episode.images.extend(prompt_images)
@@ -542,7 +542,7 @@ class EpisodeRunner:
             response_id=f"{job.group_id}:{index}",
             group_id=job.group_id,
             prompt_id=job.sample.prompt_id,
-            prompt_ids=episode.prompt_ids,
+            prompt_token_ids=episode.prompt_ids,
             response_ids=episode.token_ids,
             behaviour_logprobs=episode.logprobs,
             token_versions=episode.versions,

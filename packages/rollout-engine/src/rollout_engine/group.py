@@ -149,7 +149,7 @@ class GroupRunner:
     async def _generate(
         self, job: GroupJob, multi_modal_data: dict[str, Any] | None
     ) -> list[PartialResponse]:
-        prompt_ids = list(job.sample.prompt_ids)
+        prompt_ids = list(job.sample.prompt_token_ids)
         if job.restored:
             responses = list(job.restored)
         else:
@@ -199,7 +199,7 @@ class GroupRunner:
                 response_id=f"{job.group_id}:{index}",
                 group_id=job.group_id,
                 prompt_id=job.sample.prompt_id,
-                prompt_ids=list(job.sample.prompt_ids),
+                prompt_token_ids=list(job.sample.prompt_token_ids),
                 response_ids=response.token_ids,
                 behaviour_logprobs=response.logprobs,
                 token_versions=response.versions,

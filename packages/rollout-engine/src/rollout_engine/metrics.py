@@ -17,14 +17,17 @@ Metric names are part of the interface (design.md):
   over the whole run, with `v_now` the version when the sink's `put` returned. The drop
   check (`> max_staleness`) runs just before the put; a put that waits across weight pushes
   (a full queue) delivers a staler group, and `staleness/max` then reports more than `k`.
+- `rollout/filtered_groups`: groups dropped by the group filter (dynamic sampling) so far.
 - `tokens/s`: tokens generated (delivered and dropped groups) / run seconds.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -32,7 +35,7 @@ __all__ = [
     "DRAIN_INTERRUPT_WINDOW",
     "METRIC_NAMES",
     "STATS_SCHEMA_VERSION",
-    "FailedSample",
+    "FailedGroup",
     "GroupOutcome",
     "IdleClock",
     "RolloutCounters",
@@ -40,7 +43,7 @@ __all__ = [
     "count_partial",
 ]
 
-# 2: `FailedSample.sample_id` became `prompt_id` (it always held the prompt's id).
+# 2: `FailedGroup.sample_id` became `prompt_id` (it always held the prompt's id).
 STATS_SCHEMA_VERSION = 2
 
 # How many recent drain-interrupt latencies the counters keep (the max is kept over the run).
@@ -52,14 +55,17 @@ METRIC_NAMES = (
     "rollout/partial_ratio",
     "rollout/drain_interrupt_ms",
     "rollout/pacing_lookahead",
+    "rollout/filtered_groups",
     "staleness/mean",
     "staleness/max",
     "tokens/s",
 )
 
 
-class FailedSample(msgspec.Struct, kw_only=True):
-    """A group that never reached the sink because its task raised (or was cancelled)."""
+class FailedGroup(msgspec.Struct, kw_only=True):
+    """A group that never reached the sink because its task raised (or was cancelled).
+
+    Formerly `FailedSample` (the name still imports, with a `DeprecationWarning`)."""
 
     schema_version: int = STATS_SCHEMA_VERSION
     prompt_id: str  # PromptSample.prompt_id of the failed group
@@ -73,7 +79,8 @@ class FailedSample(msgspec.Struct, kw_only=True):
 class RolloutStats(msgspec.Struct, kw_only=True):
     """A snapshot of the rollouter. Counts are groups unless named otherwise.
 
-    Invariant at every snapshot: `admitted == delivered + failed + dropped + in_flight`.
+    Invariant at every snapshot:
+    `admitted == delivered + failed + dropped + filtered + in_flight`.
     """
 
     schema_version: int = STATS_SCHEMA_VERSION
@@ -81,6 +88,7 @@ class RolloutStats(msgspec.Struct, kw_only=True):
     delivered: int = 0
     failed: int = 0
     dropped: int = 0  # too stale at delivery (see admission.py)
+    filtered: int = 0  # rejected by the group filter (dynamic sampling; group_filter.py)
     in_flight: int = 0
     version: int = 0
     budget: int = 0
@@ -111,6 +119,7 @@ class GroupOutcome:
     staleness: tuple[int, ...]  # per response; when the sink's put returned, if delivered
     generated_tokens: int
     partial: int
+    filtered: bool = False  # generated, not too stale, rejected by the group filter
 
 
 class IdleClock:
@@ -161,6 +170,7 @@ class RolloutCounters:
     delivered: int = 0
     failed: int = 0
     dropped: int = 0
+    filtered: int = 0
     trajectories: int = 0
     partial: int = 0
     resumed: int = 0
@@ -178,6 +188,9 @@ class RolloutCounters:
 
     def record(self, outcome: GroupOutcome) -> None:
         self.generated_tokens += outcome.generated_tokens
+        if outcome.filtered:
+            self.filtered += 1
+            return
         if not outcome.delivered:
             self.dropped += 1
             return
@@ -203,3 +216,14 @@ class RolloutCounters:
 def count_partial(token_versions: Sequence[Sequence[int]]) -> int:
     """Responses whose tokens come from more than one weight version."""
     return sum(1 for versions in token_versions if len(set(versions)) > 1)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FailedSample":
+        warnings.warn(
+            "FailedSample is deprecated: use FailedGroup (it always described a failed group)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return FailedGroup
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -346,7 +346,8 @@ def make_prompts(count: int, prefix: str = "p", length: int = 4) -> list[PromptS
     """`count` distinct prompts with ids `{prefix}{i}` and `length` token ids each."""
     return [
         PromptSample(
-            prompt_id=f"{prefix}{i}", prompt_ids=[1 + (i * 7 + j) % 997 for j in range(length)]
+            prompt_id=f"{prefix}{i}",
+            prompt_token_ids=[1 + (i * 7 + j) % 997 for j in range(length)],
         )
         for i in range(count)
     ]

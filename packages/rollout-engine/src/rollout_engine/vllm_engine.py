@@ -99,6 +99,9 @@ class VLLMEngineConfig:
     stream_interval: int = 8
     # How long `close` lets the engine-core process exit before it is killed.
     shutdown_timeout_s: float = 2.0
+    # End the engine core (and its workers) when this process dies, however it dies, so a
+    # killed host leaves no engine core behind (`rollout_engine.host_watch`).
+    tie_to_host: bool = True
     # Any other `vllm.AsyncEngineArgs` field, e.g. {"limit_mm_per_prompt": {"image": 2}}.
     extra_engine_args: Mapping[str, Any] = field(default_factory=dict)
     # The model's image placeholder token (Qwen2-VL: `<|image_pad|>`), when prompts carry it
@@ -278,6 +281,8 @@ class VLLMEngine:
         engine = cls(llm, config)
         try:
             await llm.update_weight_version(str(config.initial_version))
+            if config.tie_to_host:
+                await llm.collective_rpc("rollout_watch_host", args=(os.getpid(),))
             if config.cpu_affinity is not None:
                 await llm.collective_rpc(
                     "rollout_set_cpu_affinity", args=(list(config.cpu_affinity),)
@@ -417,11 +422,6 @@ class VLLMEngine:
                 self._llm.collective_rpc("rollout_load_weights_blob", args=(blob,))
             )
         return int(counts[0]) if counts else 0
-
-    async def weight_checksum(self) -> float:
-        """Sum of the worker's parameters (debugging aid)."""
-        (checksum, *_) = await self._control(self._llm.collective_rpc("rollout_weight_checksum"))
-        return float(checksum)
 
     async def close(self) -> None:
         """Shut vLLM down (engine-core process included)."""

@@ -49,6 +49,13 @@ class WeightSyncWorkerExtension:
 
         return self._rollout_reload(load_file(path, device="cpu"))
 
+    def rollout_watch_host(self, host_pid: int) -> list[int]:
+        """End this process (and the engine core above it) when `host_pid` exits; see
+        `rollout_engine.host_watch`."""
+        from rollout_engine.host_watch import watch_host
+
+        return watch_host(host_pid)
+
     def rollout_set_cpu_affinity(self, cpus: Sequence[int]) -> list[int]:
         """Pin every thread of this process to `cpus` (threads made later inherit it)."""
         wanted = set(cpus)
@@ -58,11 +65,6 @@ class WeightSyncWorkerExtension:
             except (ProcessLookupError, PermissionError):  # thread ended meanwhile
                 continue
         return sorted(os.sched_getaffinity(0))
-
-    def rollout_weight_checksum(self) -> float:
-        """Sum of all parameters (a cheap fingerprint for tests and debugging)."""
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        return float(sum(p.detach().double().sum().item() for p in model.parameters()))
 
     def _rollout_reload(self, weights: dict[str, torch.Tensor]) -> int:
         import torch
