@@ -88,7 +88,7 @@ def _trajectory(w: Workload, rng: random.Random, prompt: list[int], gid: str, i:
         response_id=f"{gid}/{i}",
         group_id=gid,
         prompt_id=f"p{gid}",
-        prompt_ids=prompt,
+        prompt_token_ids=prompt,
         response_ids=[rng.randrange(3, w.vocab) for _ in range(n)],
         behaviour_logprobs=[-11.0 + rng.random() for _ in range(n)],
         token_versions=[0] * n,
@@ -111,8 +111,8 @@ def minimal_step(model: torch.nn.Module, optimizer: Any, groups: list[list[Traje
     rewards = torch.tensor([[t.reward for t in g] for g in groups])
     adv = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)
     adv = adv.reshape(-1, 1).to(device)
-    ids = torch.tensor([t.prompt_ids + t.response_ids for t in trajs], device=device)
-    p = len(trajs[0].prompt_ids)
+    ids = torch.tensor([t.prompt_token_ids + t.response_ids for t in trajs], device=device)
+    p = len(trajs[0].prompt_token_ids)
     behav = torch.tensor([t.behaviour_logprobs for t in trajs], device=device)
     chunks = torch.tensor_split(torch.randperm(len(trajs), device=device), MINIBATCHES)
 

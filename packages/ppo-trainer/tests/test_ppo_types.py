@@ -93,6 +93,21 @@ def test_prompt_ids_is_a_deprecated_alias_of_prompt_token_ids() -> None:
         assert trajectory.prompt_ids == [5, 6]
 
 
+def test_prompt_ids_keyword_still_builds_a_trajectory_with_a_warning() -> None:
+    fields = {
+        "response_id": "g:0",
+        "group_id": "g",
+        "response_ids": [7],
+        "behaviour_logprobs": [-1.0],
+        "token_versions": [0],
+        "finish_reason": "stop",
+        "timings": Timings(admitted_at=0.0),
+    }
+    with pytest.warns(DeprecationWarning, match=r"prompt_ids=\.\.\.\) is deprecated"):
+        old = Trajectory(prompt_ids=[5, 6], **fields)
+    assert old == Trajectory(prompt_token_ids=[5, 6], **fields)
+
+
 def test_import_is_light() -> None:
     code = "import sys, ppo_trainer; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

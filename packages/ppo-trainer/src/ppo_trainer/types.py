@@ -8,12 +8,32 @@ the producer's msgpack into these classes so the two schemas cannot drift apart.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import msgspec
 
 __all__ = ["TRAJECTORY_SCHEMA_VERSION", "MultiModalRef", "Timings", "Trajectory"]
 
 TRAJECTORY_SCHEMA_VERSION = 3
+
+# Python names renamed for one vocabulary (old -> new); the wire names never change.
+_RENAMED_KEYWORDS = {"prompt_ids": "prompt_token_ids"}
+
+
+class _AcceptsRenamedKeywords(msgspec.StructMeta):
+    """Lets `Trajectory(prompt_ids=...)` keep working for one release (with a
+    `DeprecationWarning`): a msgspec struct cannot define `__init__`."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        for old, new in _RENAMED_KEYWORDS.items():
+            if old in kwargs:
+                warnings.warn(
+                    f"{cls.__name__}({old}=...) is deprecated: use {new}",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                kwargs[new] = kwargs.pop(old)
+        return super().__call__(*args, **kwargs)
 
 
 class MultiModalRef(msgspec.Struct, kw_only=True):
@@ -35,7 +55,7 @@ class Timings(msgspec.Struct, kw_only=True):
     generation_s: float = 0.0
 
 
-class Trajectory(msgspec.Struct, kw_only=True):
+class Trajectory(msgspec.Struct, kw_only=True, metaclass=_AcceptsRenamedKeywords):
     """One response of a GRPO group (or one multi-turn episode).
 
     `behaviour_logprobs[i]` is the engine's log-prob of `response_ids[i]`;
