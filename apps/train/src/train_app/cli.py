@@ -14,6 +14,7 @@ from cyclopts import Parameter
 from rich.console import Console
 
 from train_app.config import TrainConfig
+from train_app.tasks.spec import check_task_inputs
 
 __all__ = ["app", "main"]
 
@@ -44,6 +45,7 @@ def train(
     console = Console()
     try:
         config.validate()
+        check_task_inputs(config)  # reads the dataset, imports the rewards: before Ray
     except ValueError as exc:
         console.print(f"[bold red]bad configuration:[/] {exc}")
         return 2
