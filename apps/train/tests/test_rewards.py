@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from rollout_engine import RolloutConfig, RolloutFailed, Rollouter, SamplingConfig
+from rollout_engine import RolloutConfig, Rollouter, RolloutFailed, SamplingConfig
 from rollout_engine.testing import FakeEngine, FakeEngineConfig, ListSink, make_prompts
 from train_app.failure_log import FailureJournal, read_failures
 from train_app.tasks.rewards import RewardFailed, RewardSet, RewardSpecError, load_reward

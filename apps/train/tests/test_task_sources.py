@@ -99,7 +99,7 @@ def test_an_installed_plugin_is_found_and_built(
     assert "echo-plugin" in all_tasks()
     task = make_task("echo-plugin", tokenizer)
     sample = next(iter(task.prompts(3)))
-    answer = tokenizer.encode(sample.answer) + [tokenizer.eos_token_id]
+    answer = [*tokenizer.encode(sample.answer), tokenizer.eos_token_id]
     assert task.reward(sample, _trajectory(answer)) == 1.0
     with pytest.raises(UnknownTask, match="available: echo-plugin, repeat"):
         make_task("nope", tokenizer)
@@ -145,7 +145,7 @@ def test_dataset_formats_stream_each_row_once_per_epoch(tmp_path: Path, tokenize
     assert len({s.prompt_id for s in samples}) == len(samples)
     assert first[0].metadata == {"level": str(len(first[0].answer))}  # other columns
     sample = first[0]
-    right = tokenizer.encode(sample.answer) + [tokenizer.eos_token_id]
+    right = [*tokenizer.encode(sample.answer), tokenizer.eos_token_id]
     assert task.reward(sample, _trajectory(right)) == 1.0
     assert task.reward(sample, _trajectory(tokenizer.encode("9"))) == 0.0
     assert task.metrics() == {"reward/exact": 0.5}
