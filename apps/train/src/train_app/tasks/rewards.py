@@ -237,4 +237,14 @@ class RewardSet:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            asyncio.run_coroutine_threadsafe(_stop_loop(), self._loop)
+
+
+async def _stop_loop() -> None:
+    """Cancel the async rewards still running (timed out), let them end, stop the loop."""
+    current = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not current]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    asyncio.get_running_loop().stop()
