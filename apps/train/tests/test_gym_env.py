@@ -42,13 +42,13 @@ def test_generated_questions_are_scored_by_reasoning_gym(tokenizer) -> None:
             int(sample.metadata["item"])
         ]
         assert sample.answer == str(entry["answer"])  # the library's own question and answer
-        right = tokenizer.encode(sample.answer) + [tokenizer.eos_token_id]
+        right = [*tokenizer.encode(sample.answer), tokenizer.eos_token_id]
         assert task.reward(sample, _response(right)) == 1.0
         assert task.reward(sample, _response(tokenizer.encode("=="))) < 1.0
 
 
 def test_unknown_names_list_the_available_ones() -> None:
-    with pytest.raises(ValueError, match="unknown dataset.*no_such.*available: .*leg_counting"):
+    with pytest.raises(ValueError, match=r"unknown dataset.*no_such.*available: .*leg_counting"):
         check_names(["gcd", "no_such"])
 
 
