@@ -26,7 +26,14 @@ from rollout_engine import PromptSample, Trajectory
 
 from train_app.tasks.rewards import RewardSet
 
-__all__ = ["DatasetError", "DatasetTask", "check_dataset", "format_prompt", "load_rows"]
+__all__ = [
+    "DatasetError",
+    "DatasetTask",
+    "check_dataset",
+    "format_prompt",
+    "load_rows",
+    "resolve_template",
+]
 
 EXTRA_HINT = "install the app's `datasets` extra: pip install 'asyncrl-train[datasets]'"
 
