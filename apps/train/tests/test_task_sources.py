@@ -219,6 +219,7 @@ def test_repeated_reward_flags_round_trip_through_the_toml(tmp_path: Path, recor
         (["--env", "reasoning-gym:gcd", "--reward", "{reward}"], "--reward with --env"),
         (["--env", "gymnasium:CartPole"], "unknown library 'gymnasium'; available: reasoning-gym"),
         (["--env", "reasoning-gym:no_such_set"], "unknown dataset(s) no_such_set; available: "),
+        (["--task", "tool", "--env", "reasoning-gym:gcd"], "give one task source"),
         (["--task", "nope"], "--task nope: choose from ['repeat', 'shapes', 'tool']"),
     ],
 )  # fmt: skip

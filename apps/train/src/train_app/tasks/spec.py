@@ -93,6 +93,8 @@ def check_task_inputs(config: TrainConfig) -> None:
 
     if config.dataset is not None and config.env is not None:
         raise ValueError("--dataset and --env are two task sources: give one")
+    if (config.dataset is not None or config.env is not None) and config.task != "repeat":
+        raise ValueError(f"--task {config.task} with --dataset/--env: give one task source")
     if config.reward and config.env is not None:
         raise ValueError(
             "--reward with --env: the environment scores its own answers; drop --reward"
