@@ -234,3 +234,20 @@ def test_bad_task_input_exits_2_before_the_run(
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
     assert message in out
     assert recorded == []
+
+
+def test_a_resumed_dataset_stream_skips_consumed_rows_without_tokenizing(
+    tmp_path: Path, tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from train_app.prompts import PromptSource
+
+    path = _write(tmp_path / "rows.jsonl", ROWS)
+    task = DatasetTask(tokenizer, str(path), [_reward_file(tmp_path)], seed=1, epochs=1)
+    first = [s.prompt_id for s in task.prompts(0)]
+    consumed = first[:7]
+    built: list[int] = []
+    sample = task._sample
+    monkeypatch.setattr(task, "_sample", lambda i, e: built.append(i) or sample(i, e))
+    resumed = [s.prompt_id for s in PromptSource(task, 0, consumed=consumed)]
+    assert resumed == first[7:]
+    assert len(built) == len(ROWS) - 7  # the consumed rows were never built

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -169,11 +170,17 @@ class DatasetTask:
 
     def prompts(self, seed: int) -> Iterator[PromptSample]:
         """The stream of this replica's shard (`seed`: unused; the order is `self.seed`'s)."""
+        return self.prompts_skipping(seed, frozenset())
+
+    def prompts_skipping(self, seed: int, skip: AbstractSet[str]) -> Iterator[PromptSample]:
+        """`prompts(seed)` without the ids in `skip`, which are never read or tokenized (what
+        a resume passes over costs a set lookup each)."""
         epoch = 0
         while self.epochs is None or epoch < self.epochs:
             order = self.epoch_order(epoch)
             for position in range(self.shard, len(order), self.shards):
-                yield self._sample(order[position], epoch)
+                if f"e{epoch}-r{order[position]}" not in skip:
+                    yield self._sample(order[position], epoch)
             epoch += 1
 
     def _row(self, index: int) -> dict[str, Any]:
