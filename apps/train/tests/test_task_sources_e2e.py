@@ -54,7 +54,8 @@ def _train(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> list
 
 
 def test_repeat_example_trains_from_a_jsonl_file_and_a_reward_file(tmp_path: Path) -> None:
-    # Measured: ~150 s on 2 shared cores (Ray and vLLM start-up dominate).
+    # Measured: 378 s with load average ~20-30 on 2 shared cores (Ray and vLLM start-up
+    # dominate; ~2 min on an idle machine).
     example = ROOT / "examples" / "repeat-jsonl"
     records = _train(
         tmp_path / "example",
@@ -70,7 +71,7 @@ def test_repeat_example_trains_from_a_jsonl_file_and_a_reward_file(tmp_path: Pat
 
 
 def test_an_installed_task_plugin_trains(tmp_path: Path) -> None:
-    # Measured: ~150 s on 2 shared cores.
+    # Measured: 414 s with load average ~15-35 on 2 shared cores.
     site = _sibling("test_task_sources").make_plugin(tmp_path / "site", task="echo-plugin")
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
     records = _train(tmp_path / "plugin", "--task", "echo-plugin", env={"PYTHONPATH": path})
@@ -79,7 +80,7 @@ def test_an_installed_task_plugin_trains(tmp_path: Path) -> None:
 
 
 def test_reasoning_gym_environment_trains(tmp_path: Path) -> None:
-    # Measured: ~150 s on 2 shared cores. Its questions fit the tiny model's 128 positions.
+    # Measured: 471 s with load average ~20-30 on 2 shared cores. Its questions fit the tiny model's 128 positions.
     records = _train(tmp_path / "gym", "--env", "reasoning-gym:basic_arithmetic")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in records)
