@@ -41,6 +41,9 @@ async def sleeps_async(completion):
     await asyncio.sleep(5)
     return 1.0
 
+def mean(completion):
+    return 0.25
+
 def nan(completion):
     return math.nan
 
@@ -171,3 +174,12 @@ def test_consecutive_reward_failures_end_the_rollouter_naming_the_function(
     assert len(records) >= 5
     assert all(r["error_type"] == "RewardFailed" for r in records)
     assert all(f"{reward_file}:raises" in r["message"] for r in records)
+
+
+def test_a_component_never_overwrites_the_runs_reward_mean(reward_file: Path) -> None:
+    rewards = RewardSet([f"{reward_file}:mean"])
+    try:
+        assert _call(rewards) == 0.25
+        assert rewards.metrics() == {"reward/component/mean": 0.25}
+    finally:
+        rewards.close()

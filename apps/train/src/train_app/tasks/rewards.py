@@ -143,6 +143,15 @@ def load_reward(spec: str, search_paths: Sequence[str] = ()) -> _Reward:
     return _Reward(spec, attribute, function, _arguments(function, spec), is_async)
 
 
+RESERVED_METRICS = frozenset({"reward/mean"})
+"""Names the run already reports (the trainer's batch mean): a component never overwrites one."""
+
+
+def _metric_name(component: str) -> str:
+    name = f"reward/{component}"
+    return f"reward/component/{component}" if name in RESERVED_METRICS else name
+
+
 def _components(reward: _Reward, value: Any) -> dict[str, float]:
     items = value.items() if isinstance(value, Mapping) else [(reward.name, value)]
     out: dict[str, float] = {}
@@ -229,7 +238,7 @@ class RewardSet:
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
-            out = {f"reward/{k}": self._sums[k] / self._counts[k] for k in self._sums}
+            out = {_metric_name(k): self._sums[k] / self._counts[k] for k in self._sums}
             self._sums.clear()
             self._counts.clear()
         return out
