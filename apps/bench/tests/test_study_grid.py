@@ -34,3 +34,28 @@ def test_quick_grid_is_part_of_the_grid() -> None:
 def test_unknown_setting_is_refused_before_anything_runs() -> None:
     with pytest.raises(SystemExit, match="k3-fresh"):
         run(quick=False, grid=["k3-fresh"])
+
+
+def test_quick_study_is_one_seed_of_a_few_steps_per_setting(monkeypatch, tmp_path) -> None:
+    """Which runs `--quick` asks for (the app runs are replaced by a recorder: this is about
+    the bench's choice of runs, not about training)."""
+    import bench_app.study_bench as study
+    from bench_app.e2e_bench import QUICK_STEPS, figures_from_records
+
+    calls = []
+
+    def fake_run_app(mode, seed, steps, run_dir, extra):
+        calls.append((mode, seed, steps))
+        rows = [
+            {"step": i + 1, "reward/mean": 0.5, "trainer/wall_s": i + 1.0} for i in range(steps)
+        ]
+        return figures_from_records(mode, seed, rows, {})
+
+    monkeypatch.setattr(study, "_run_app", fake_run_app)
+    monkeypatch.chdir(tmp_path)
+    report = study.run(quick=True)
+    assert calls == [("sync", 0, QUICK_STEPS), ("async", 0, QUICK_STEPS)]
+    assert [row["setting"] for row in report.rows] == list(QUICK_GRID)
+    calls.clear()
+    study.run(quick=True, seeds=2, steps=3, grid=["k1-fresh"])
+    assert calls == [("async", 0, 3), ("async", 1, 3)]

@@ -67,19 +67,106 @@ def test_resume_reads_the_runs_config(tmp_path: Path, recorded) -> None:
     assert (config.batch_size, config.group_size) == (2, 3)
 
 
+def _bad_paths(tmp_path: Path) -> dict[str, list[str]]:
+    """Arguments naming paths that are not what the flag needs (made under `tmp_path`)."""
+    not_a_run = tmp_path / "not-a-run"
+    not_a_run.mkdir()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    return {
+        "config-missing": ["--config", str(tmp_path / "missing.toml")],
+        "config-dir": ["--config", str(tmp_path)],
+        "resume-missing": ["--resume", str(tmp_path / "nonexistent")],
+        "resume-no-config": ["--resume", str(not_a_run)],
+        "resume-no-config-eq": [f"--resume={not_a_run}"],
+        "runs-dir-file": ["--runs-dir", str(a_file)],
+    }
+
+
+# Every value a run cannot use, with the words of its one-line message. Each was accepted, or
+# failed later with a traceback (after the run dir was written, or inside vLLM), before.
+BAD_FLAGS = [
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--batch-size", "-3"], "--batch-size must be at least 1"),
+    (["--group-size", "0", "--advantage", "gae"], "--group-size must be at least 1"),
+    (["--sync-every", "0"], "--sync-every must be at least 1"),
+    (["--max-concurrency", "0"], "--max-concurrency must be at least 1"),
+    (["--ppo-epochs", "0"], "--ppo-epochs must be at least 1"),
+    (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["--trainer-workers", "0"], "--trainer-workers must be at least 1"),
+    (["--rollout-replicas", "0"], "--rollout-replicas must be at least 1"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
+    (["--max-staleness", "-1"], "--max-staleness must be >= 0"),
+    (["--max-rollout-restarts", "-2"], "--max-rollout-restarts must be >= 0"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--lr", "-1"], "--lr must be > 0"),
+    (["--lr", "nan"], "--lr must be > 0"),
+    (["--is-cap", "0"], "--is-cap must be > 0"),
+    (["--clip-eps", "-1"], "--clip-eps must be in [0, 1)"),
+    (["--clip-eps", "1.5"], "--clip-eps must be in [0, 1)"),
+    (["--min-lr-ratio", "2"], "--min-lr-ratio must be in [0, 1]"),
+    (["--max-grad-norm", "0"], "--max-grad-norm must be > 0"),
+    (["--corrupt-images", "1"], "--corrupt-images must be in [0, 1)"),
+    (["--rollout-replicas", "5", "--batch-size", "4"], "more than --batch-size"),
+    (["--task", "nope"], "--task nope"),
+    (["--group-size", "1"], "--group-size"),
+    (["--advantage", "rloo", "--group-size", "1"], "--group-size must be at least 2 for rloo"),
+    (["--model", "/nonexistent"], "config.json"),
+    (["--rollout-resources", "GPU=0"], "--rollout-resources"),
+    (["--trainer-resources", "node2=1"], "need --ray-address"),
+    (["--name", "a/b"], "--name 'a/b'"),
+    (["--name", ".."], "--name '..'"),
+    ("config-missing", "missing.toml: no such file"),
+    ("config-dir", "is a directory"),
+    ("resume-missing", "no such run directory"),
+    ("resume-no-config", "no config.toml there"),
+    ("resume-no-config-eq", "no config.toml there"),
+    ("runs-dir-file", "is not a directory"),
+]
+
+
 @pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--steps", "0"], "--steps must be at least 1"),
-        (["--task", "nope"], "--task nope"),
-        (["--group-size", "1"], "--group-size"),
-        (["--advantage", "rloo", "--group-size", "1"], "--group-size must be at least 2 for rloo"),
-        (["--model", "/nonexistent"], "config.json"),
-    ],
+    ("argv", "message"), BAD_FLAGS, ids=lambda v: " ".join(v) if isinstance(v, list) else v
 )
-def test_bad_configuration_exits_2_with_a_message(
-    argv: list[str], message: str, recorded, capsys: pytest.CaptureFixture[str]
+def test_bad_configuration_exits_2_with_one_line(
+    argv: list[str] | str,
+    message: str,
+    tmp_path: Path,
+    recorded: list[TrainConfig],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """Through `cli.main`, as a user types it: exit 2, one line on stderr naming the flag, no
+    traceback, and the run (which writes the run dir and starts Ray) is never reached."""
+    if isinstance(argv, str):
+        argv = _bad_paths(tmp_path)[argv]
     assert cli.main(argv) == 2
-    assert message in capsys.readouterr().out
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("bad configuration:") and message in lines[0], lines[0]
+    assert "Traceback" not in captured.err + captured.out
     assert recorded == []
+
+
+def test_zero_checkpoint_interval_is_accepted(recorded: list[TrainConfig]) -> None:
+    """`--checkpoint-every 0` is documented as "only the checkpoints at the end and at an
+    interrupt", not rejected."""
+    assert cli.main(["--checkpoint-every", "0"]) == 0
+    assert recorded[0].checkpoint_every == 0
+
+
+def test_bad_configuration_in_a_subprocess_leaves_no_run_dir(tmp_path: Path) -> None:
+    """The installed entry point, end to end: a bad flag exits 2 before anything is written."""
+    import subprocess
+    import sys
+
+    runs = tmp_path / "runs"
+    proc = subprocess.run(
+        [sys.executable, "-c", "from train_app.cli import main; raise SystemExit(main())",
+         "--runs-dir", str(runs), "--max-concurrency", "0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "bad configuration: --max-concurrency must be at least 1, got 0"
+    assert not runs.exists()

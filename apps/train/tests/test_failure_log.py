@@ -1,5 +1,5 @@
-"""Issue 14 item 4: failures are bounded in memory (last N + counts per type) and every one is
-appended to failures.jsonl. The engine is rollout_engine's FakeEngine (seeded failures): this
+"""Failures are bounded in memory (last N + counts per type) and on disk (capped log + counts);
+the engine is rollout_engine's FakeEngine (seeded failures): this
 tests the bookkeeping, not generation. Costs < 2 s."""
 
 from __future__ import annotations
@@ -11,7 +11,13 @@ from pathlib import Path
 
 from rollout_engine import RolloutConfig, Rollouter, SamplingConfig
 from rollout_engine.testing import FakeEngine, FakeEngineConfig, ListSink, make_prompts
-from train_app.failure_log import FailureJournal, read_failures
+from train_app.failure_log import (
+    FailureJournal,
+    failure_summary,
+    read_failure_counts,
+    read_failures,
+    rotated_path,
+)
 
 
 class _Flaky(RuntimeError):
@@ -84,3 +90,59 @@ def test_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
     path.write_text('{"group_id": "a"}\n{"group_id": "b"}\n{"group_')
     assert [r["group_id"] for r in read_failures(path)] == ["a", "b"]
     assert read_failures(tmp_path / "missing.jsonl") == []
+
+
+def test_the_log_is_capped_to_the_latest_failures_and_every_one_is_counted(
+    tmp_path: Path,
+) -> None:
+    """Three journals (replicas) share a log capped at 20 kB: the two generations keep the
+    most recent failures of each replica, never much more than twice the cap, and the counts
+    file counts every failure, including those rotated away."""
+    path = tmp_path / "failures.jsonl"
+    cap = 20_000
+    journals = [FailureJournal(path, replica=i, max_bytes=cap) for i in range(3)]
+    kinds = ("Timeout", "ValueError")
+
+    def produce(journal: FailureJournal) -> None:
+        for i in range(400):
+            journal.append({"group_id": f"g{i}", "error_type": kinds[i % 2], "pad": "x" * 100})
+
+    threads = [threading.Thread(target=produce, args=(j,)) for j in journals]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for journal in journals:
+        journal.close()
+
+    sizes = path.stat().st_size + rotated_path(path).stat().st_size
+    # A generation passes the cap only when it holds one write batch bigger than the cap.
+    assert cap <= sizes <= 2 * max(cap, 400 * 200)
+    records = read_failures(path)
+    assert 0 < len(records) < 1200
+    for replica in range(3):
+        mine = [int(r["group_id"][1:]) for r in records if r["replica"] == replica]
+        assert mine == list(range(400 - len(mine), 400))  # the latest ones, in order
+    counts = read_failure_counts(path)
+    assert counts["total"] == 1200
+    assert counts["by_type"] == {"Timeout": 600, "ValueError": 600}
+    assert counts["dropped_by_rotation"] == 1200 - len(records)
+    assert failure_summary(path) == (
+        f"1200 (Timeout 600, ValueError 600); {len(records)} in failures.jsonl and "
+        f"failures.1.jsonl, {1200 - len(records)} older ones rotated out "
+        "(counts: failures.counts.json)"
+    )
+
+
+def test_a_resumed_journal_continues_the_counts(tmp_path: Path) -> None:
+    path = tmp_path / "failures.jsonl"
+    for _ in range(2):  # the run, then its resume
+        journal = FailureJournal(path, replica=0)
+        journal.append({"group_id": "g", "error_type": "Timeout"})
+        journal.close()
+    assert read_failure_counts(path) == {
+        "total": 2, "by_type": {"Timeout": 2}, "dropped_by_rotation": 0,
+    }  # fmt: skip
+    assert len(read_failures(path)) == 2 and not rotated_path(path).exists()
+    assert failure_summary(path) == "2 (Timeout 2); 2 in failures.jsonl"
+    assert failure_summary(tmp_path / "none.jsonl") == "0"

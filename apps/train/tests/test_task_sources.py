@@ -231,7 +231,8 @@ def test_bad_task_input_exits_2_before_the_run(
     values = {"tmp": tmp_path, "data": data, "reward": _reward_file(tmp_path),
               "empty": tmp_path / "empty.jsonl"}  # fmt: skip
     assert cli.main([a.format(**values) for a in argv]) == 2
-    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    captured = capsys.readouterr()
+    out = " ".join((captured.out + captured.err).split())  # rich may wrap long lines
     assert message in out
     assert recorded == []
 

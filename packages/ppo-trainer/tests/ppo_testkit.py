@@ -64,7 +64,7 @@ def make_group(
                 response_id=f"{group_id}/{i}",
                 group_id=group_id,
                 prompt_id=f"prompt-{group_id}",
-                prompt_ids=prompt,
+                prompt_token_ids=prompt,
                 response_ids=response,
                 behaviour_logprobs=[logprob] * len(response),
                 token_versions=[version] * len(response),

@@ -16,7 +16,7 @@ def test_layout_of_prompt_response_and_padding() -> None:
     b.behaviour_logprobs[:] = [-1.0, -2.0, -3.0, -4.0]
     batch = pack_batch([a, b], [0.5, -0.5], pad_token_id=0)
     assert batch.input_ids.shape == (2, 7)
-    assert batch.input_ids[0].tolist() == [*a.prompt_ids, *a.response_ids, 0, 0]
+    assert batch.input_ids[0].tolist() == [*a.prompt_token_ids, *a.response_ids, 0, 0]
     assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0, 0], [1] * 7]
     # target j predicts token j+1: the response starts at token 3, i.e. j = 2
     assert batch.response_mask.tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]]
@@ -35,7 +35,7 @@ def test_select_trims_to_the_rows_longest_sequence() -> None:
     assert sub.input_ids.shape == (2, 4)
     assert sub.response_mask.shape == (2, 3)
     assert sub.advantages.tolist() == [3.0, 1.0]
-    assert sub.input_ids[0].tolist() == [*group[2].prompt_ids, *group[2].response_ids]
+    assert sub.input_ids[0].tolist() == [*group[2].prompt_token_ids, *group[2].response_ids]
 
 
 def test_validation() -> None:

@@ -76,6 +76,7 @@ async def test_checkpoint_restores_rng_states_and_files(tmp_path: Path) -> None:
     np.testing.assert_array_equal(np.random.rand(3), expected[1])
     assert random.random() == expected[2]
     assert sorted(p.name for p in path.iterdir()) == [
+        "manifest.json",
         "model.pt",
         "optimizer.pt",
         "rng.pt",

@@ -45,7 +45,7 @@ class Sampler:
             Trajectory(
                 response_id=f"{index}/{i}",
                 group_id=str(index),
-                prompt_ids=prompt[0].tolist(),
+                prompt_token_ids=prompt[0].tolist(),
                 response_ids=responses[i],
                 behaviour_logprobs=logprobs[i],
                 token_versions=[version] * RESPONSE_LEN,

@@ -44,7 +44,7 @@ def test_pack_masks_observation_tokens_token_by_token() -> None:
     episodes = _episodes()
     batch = _batch(episodes)
     for row, t in enumerate(episodes):
-        n_prompt = len(t.prompt_ids)
+        n_prompt = len(t.prompt_token_ids)
         window = batch.response_mask[row, n_prompt - 1 : n_prompt - 1 + len(t.response_ids)]
         assert window.tolist() == [float(m) for m in t.loss_mask]
         assert batch.response_mask[row, : n_prompt - 1].sum() == 0  # the prompt
@@ -54,7 +54,7 @@ def test_pack_masks_observation_tokens_token_by_token() -> None:
     # the reward sits on the last *generated* token, not on a trailing observation
     rewards = batch.token_rewards()
     for row, t in enumerate(episodes):
-        last = len(t.prompt_ids) - 1 + max(i for i, m in enumerate(t.loss_mask) if m)
+        last = len(t.prompt_token_ids) - 1 + max(i for i, m in enumerate(t.loss_mask) if m)
         assert rewards[row, last] == pytest.approx(t.reward)
         assert rewards[row].sum() == pytest.approx(t.reward)
 

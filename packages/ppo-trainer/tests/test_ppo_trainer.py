@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 
@@ -14,7 +15,15 @@ from ppo_testkit import (
     make_group,
     tiny_qwen2,
 )
-from ppo_trainer import PPOConfig, PPOTrainer, Trajectory, export_weights
+from ppo_trainer import (
+    MaxStaleness,
+    PPOConfig,
+    PPOTrainer,
+    StalenessBound,
+    Trajectory,
+    export_weights,
+)
+from ppo_trainer.config import DEFAULT_MAX_STALENESS
 
 DESIGN_METRICS = {
     "ppo/loss",
@@ -124,6 +133,36 @@ async def test_stale_groups_are_dropped_and_staleness_is_recorded() -> None:
     assert m["staleness/dropped"] == 1.0
     assert trainer.stats()["staleness/dropped"] == 1.0
     assert "old/0" in trainer.consumed_response_ids  # dropped ones are done too
+
+
+async def test_a_staleness_bound_value_decides_what_is_dropped() -> None:
+    """Any object with `max_staleness` and `too_stale` (rollout-engine's `StalenessBound`
+    in the app) replaces the config's bound; here one that only takes fresh groups."""
+
+    @dataclasses.dataclass(frozen=True)
+    class OnlyFresh:
+        max_staleness: int = 0
+
+        def too_stale(self, staleness: int) -> bool:
+            return staleness > self.max_staleness
+
+    bound = OnlyFresh()
+    assert isinstance(bound, StalenessBound)
+    metrics = RecordingMetricsSink()
+    cfg = PPOConfig(batch_size=2, max_staleness=10, initial_version=3)
+    trainer = PPOTrainer(tiny_qwen2(), cfg, metrics_sink=metrics, staleness_bound=bound)
+    assert trainer.staleness_bound is bound
+    groups = [make_group("a", version=3), make_group("b", version=2), make_group("c", version=3)]
+    summary = await trainer.train(ListSource(groups))
+    assert (summary.groups, summary.dropped_groups) == (2, 1)
+    assert metrics.records[0][1]["staleness/hist"] == [2]
+
+
+def test_the_default_bound_is_the_stacks_one() -> None:
+    trainer = PPOTrainer(tiny_qwen2())
+    assert PPOConfig().max_staleness == DEFAULT_MAX_STALENESS == 2
+    assert trainer.staleness_bound == MaxStaleness(2)
+    assert trainer.staleness_bound.too_stale(3) and not trainer.staleness_bound.too_stale(2)
 
 
 async def test_source_failure_propagates_with_its_cause() -> None:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import msgspec
+import pytest
 from ppo_trainer import TRAJECTORY_SCHEMA_VERSION, MultiModalRef, Timings, Trajectory
 
 
@@ -16,7 +17,7 @@ def test_trajectory_fields_match_the_producer_contract() -> None:
         "response_id",
         "group_id",
         "prompt_id",
-        "prompt_ids",
+        "prompt_token_ids",
         "response_ids",
         "behaviour_logprobs",
         "token_versions",
@@ -30,6 +31,7 @@ def test_trajectory_fields_match_the_producer_contract() -> None:
     ]
     wire_names = {f.name: f.encode_name for f in msgspec.structs.fields(Trajectory)}
     assert wire_names["response_id"] == "sample_id"  # its schema 1-3 name, kept on the wire
+    assert wire_names["prompt_token_ids"] == "prompt_ids"  # likewise
     defaults = {f.name: f.default for f in msgspec.structs.fields(Trajectory)}
     assert defaults["schema_version"] == TRAJECTORY_SCHEMA_VERSION == 3
     assert defaults["prompt_id"] == ""
@@ -54,7 +56,7 @@ def test_msgpack_round_trip_of_a_group() -> None:
         Trajectory(
             response_id="s0",
             group_id="g",
-            prompt_ids=[1, 2],
+            prompt_token_ids=[1, 2],
             response_ids=[3],
             behaviour_logprobs=[-0.5],
             token_versions=[4],
@@ -68,6 +70,27 @@ def test_msgpack_round_trip_of_a_group() -> None:
     decoded = msgspec.msgpack.decode(data, type=list[Trajectory])
     assert decoded == group
     assert decoded[0].min_version == 4
+
+
+def test_prompt_ids_is_a_deprecated_alias_of_prompt_token_ids() -> None:
+    trajectory = msgspec.msgpack.decode(
+        msgspec.msgpack.encode(
+            {
+                "sample_id": "g:0",
+                "group_id": "g",
+                "prompt_ids": [5, 6],
+                "response_ids": [7],
+                "behaviour_logprobs": [-1.0],
+                "token_versions": [0],
+                "finish_reason": "stop",
+                "timings": {"admitted_at": 0.0},
+            }
+        ),
+        type=Trajectory,
+    )
+    assert trajectory.prompt_token_ids == [5, 6]
+    with pytest.warns(DeprecationWarning, match="prompt_token_ids"):
+        assert trajectory.prompt_ids == [5, 6]
 
 
 def test_import_is_light() -> None:

@@ -98,7 +98,7 @@ def _vl_group(index: int, n: int = 3) -> list[Trajectory]:
         Trajectory(
             response_id=f"v{index}/{i}",
             group_id=f"v{index}",
-            prompt_ids=prompt,
+            prompt_token_ids=prompt,
             response_ids=[7 + i, 8, 9 + i][: 2 + i % 2],
             behaviour_logprobs=[-3.5] * (2 + i % 2),
             token_versions=[0] * (2 + i % 2),

@@ -26,7 +26,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "drain": ("bench_app.drain_bench", "resume-to-dispatch latency vs wait-for-all drain"),
     "rollout": ("bench_app.rollout_bench", "tokens/s: Rollouter+VLLMEngine vs AsyncLLM direct"),
     "trainer": ("bench_app.trainer_bench", "tokens/s: PPOTrainer vs a minimal torch loop"),
-    "e2e": ("bench_app.e2e_bench", "time to reward 0.7: async vs its sync mode, 3 seeds"),
+    "e2e": ("bench_app.e2e_bench", "time to reward 0.7: async vs its sync mode, 5 seeds"),
     "study": ("bench_app.study_bench", "time to 0.7 over k x pacing x correction, 3 seeds each"),
     "sim": (
         "bench_app.sim_bench",
@@ -62,8 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", nargs="?", help="benchmark to run")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     parser.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
-    parser.add_argument("--seeds", type=int, help="e2e, study: seeds 0..N-1 (default 3)")
-    parser.add_argument("--steps", type=int, help="e2e, study: trainer steps per run (default 160)")
+    parser.add_argument(
+        "--seeds", type=int, help="e2e, study: seeds 0..N-1 (default: e2e 5, study 3; --quick 1)"
+    )
+    parser.add_argument(
+        "--steps", type=int, help="e2e, study: trainer steps per run (default 160; --quick 6)"
+    )
     parser.add_argument(
         "--app-args",
         default="",

@@ -4,7 +4,7 @@ Runs the real app for a grid of settings (staleness bound k, pacing, off-policy 
 over the same seeds and reports, per setting, the seconds and steps to a 10-step running mean
 reward of 0.7 and the final reward (last tenth), per seed and as means. The sync run (k = 0)
 is the reference. `--app-args` are added to every run; `--settings a,b` runs only those
-settings of `GRID`; `--quick` runs a 2-setting smoke grid.
+settings of `GRID`; `--quick` runs a 2-setting smoke grid, one seed of a few steps each.
 
 The grid and the resulting table live in packages/ppo-trainer/README.md ("Off-policy study").
 """
@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench_app.e2e_bench import TARGET, RunFigures, _round, _run_app
+from bench_app.e2e_bench import QUICK_SEEDS, QUICK_STEPS, TARGET, RunFigures, _round, _run_app
 from bench_app.report import BenchReport
 
 # setting -> (mode, app options). k = 0 is the sync mode; the rest differ from the app's
@@ -35,16 +35,20 @@ GRID: dict[str, tuple[str, tuple[str, ...]]] = {
     "k2-fresh-partial": ("async", ("--partial-rollout",)),
 }
 QUICK_GRID = ("sync", "k2-fresh")
+# Seeds 0..N-1 per setting and trainer steps per run of the full study.
+DEFAULT_SEEDS = 3
+DEFAULT_STEPS = 160
 
 
 def run(
     quick: bool,
-    seeds: int = 3,
+    seeds: int | None = None,
     steps: int | None = None,
     app_args: Sequence[str] = (),
     grid: Sequence[str] | None = None,
 ) -> BenchReport:
-    steps = steps if steps is not None else (30 if quick else 160)
+    seeds = seeds if seeds is not None else (QUICK_SEEDS if quick else DEFAULT_SEEDS)
+    steps = steps if steps is not None else (QUICK_STEPS if quick else DEFAULT_STEPS)
     labels = list(grid if grid else (QUICK_GRID if quick else GRID))
     unknown = [label for label in labels if label not in GRID]
     if unknown:

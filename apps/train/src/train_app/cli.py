@@ -12,8 +12,9 @@ from typing import Annotated
 import cyclopts
 from cyclopts import Parameter
 from rich.console import Console
+from rich.markup import escape
 
-from train_app.config import TrainConfig
+from train_app.config import TrainConfig, check_config_file, check_resume_dir
 from train_app.tasks.spec import check_task_inputs
 
 __all__ = ["app", "main"]
@@ -47,8 +48,7 @@ def train(
         config.validate()
         check_task_inputs(config)  # reads the dataset, imports the rewards: before Ray
     except ValueError as exc:
-        console.print(f"[bold red]bad configuration:[/] {exc}")
-        return 2
+        return _bad_configuration(exc)
     try:
         result = run(config, console)
     except RunFailed as exc:
@@ -81,12 +81,27 @@ def launcher(
     """
     files = []
     resume = _resume_dir(tokens)
+    try:  # before cyclopts reads them, which would end in a traceback
+        if resume is not None:
+            check_resume_dir(resume)
+        if config_file is not None:
+            check_config_file(config_file)
+    except ValueError as exc:
+        return _bad_configuration(exc)
     if resume is not None:
         files.append(cyclopts.config.Toml(resume / "config.toml", must_exist=True))
     if config_file is not None:
         files.append(cyclopts.config.Toml(config_file, must_exist=True))
     app.config = files
     return app(tokens)
+
+
+def _bad_configuration(exc: ValueError) -> int:
+    """One line on stderr and exit 2, as cyclopts does for a flag it cannot parse."""
+    Console(stderr=True).print(
+        f"[bold red]bad configuration:[/] {escape(str(exc))}", soft_wrap=True
+    )
+    return 2
 
 
 def _resume_dir(tokens: tuple[str, ...]) -> Path | None:

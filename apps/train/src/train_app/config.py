@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["TrainConfig", "load_toml", "parse_resources", "to_toml"]
+__all__ = [
+    "TrainConfig",
+    "check_config_file",
+    "check_resume_dir",
+    "load_toml",
+    "parse_resources",
+    "to_toml",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,9 +104,9 @@ class TrainConfig:
     partial_rollout: bool = False
     """Keep generating across a weight push (pause in-flight requests in vLLM, load, resume)
     instead of letting them finish before the load. Off by default: with this app's short
-    responses a mid-batch pause costs more than the wait (async 1.71x vs 1.28x sync's speed,
-    `uv run apps/bench e2e`, 3 seeds); turn it on for long, uneven responses, where waiting for
-    the slowest one idles the engine (see apps/sim's GPU-scale study)."""
+    responses a mid-batch pause costs more than the wait (`uv run apps/bench e2e` measures
+    both); turn it on for long, uneven responses, where waiting for the slowest one idles the
+    engine (see apps/sim's GPU-scale study)."""
 
     pause_mode: Literal["keep", "abort"] = "keep"
     """How vLLM pauses in-flight requests during a push (abort: resubmit the rest later)."""
@@ -125,7 +132,8 @@ class TrainConfig:
     """Response length budget (tokens)."""
 
     temperature: float = 1.0
-    """Sampling temperature (the loss uses log-probs of the tempered distribution)."""
+    """Sampling temperature, > 0 (the loss uses log-probs of the tempered distribution, so
+    greedy decoding, 0, has none; GRPO also needs responses that differ)."""
 
     lr: float = 2e-3
     """Adam learning rate (peak)."""
@@ -168,10 +176,12 @@ class TrainConfig:
     below 1 / is-cap); see the off-policy study in packages/ppo-trainer/README.md."""
 
     seed: int = 0
-    """Seed for the model init, prompts and sampling."""
+    """Seed for the model init, prompts and sampling (>= 0: numpy's and vLLM's seeds are
+    unsigned)."""
 
     checkpoint_every: int = 40
-    """Trainer steps between checkpoints (and one at the end)."""
+    """Trainer steps between checkpoints; there is always one at the end and one at Ctrl-C or
+    SIGTERM (0: only those)."""
 
     resume: Path | None = None
     """A run directory to continue from its last checkpoint (its config is reused)."""
@@ -204,52 +214,104 @@ class TrainConfig:
         return self.partial_rollout and self.mode == "async"
 
     def validate(self) -> None:
-        positive = ["steps", "batch_size", "group_size", "sync_every", "rollout_replicas"]
-        for field in positive:
-            if getattr(self, field) < 1:
-                raise ValueError(f"--{field.replace('_', '-')} must be at least 1")
-        if self.max_staleness < 0:
-            raise ValueError("--max-staleness must be >= 0")
-        if self.max_rollout_restarts < 0:
-            raise ValueError("--max-rollout-restarts must be >= 0")
-        if self.trainer_workers < 1:
-            raise ValueError("--trainer-workers must be at least 1")
-        if self.rollout_replicas > self.batch_size:
-            raise ValueError(
-                f"--rollout-replicas {self.rollout_replicas} is more than --batch-size "
-                f"{self.batch_size}: each replica admits a share of a batch, at least one group"
-            )
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError("--min-lr-ratio must be in [0, 1]")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError("--max-grad-norm must be > 0")
-        if not 0.0 <= self.corrupt_images < 1.0:
-            raise ValueError("--corrupt-images must be in [0, 1)")
-        from train_app.tasks import all_tasks
+        """Raise `ValueError` with one line naming the flag of the first bad value: every
+        check a run needs happens here, before the run dir is written or Ray starts."""
+        _check_numbers(self)
+        _check_choices(self)
+        _check_paths(self)
 
-        if self.task not in all_tasks():
-            raise ValueError(f"--task {self.task}: choose from {sorted(all_tasks())}")
-        if self.advantage not in ("grpo", "rloo", "gae"):
-            raise ValueError(f"--advantage {self.advantage}: choose from grpo, rloo, gae")
-        if self.group_size < 2 and self.advantage != "gae":
+
+# Flags that count something: at least 1 (0 would mean an empty batch, no response, no pass).
+_AT_LEAST_ONE = (
+    "steps", "batch_size", "group_size", "sync_every", "rollout_replicas", "trainer_workers",
+    "max_concurrency", "max_tokens", "ppo_epochs",
+)  # fmt: skip
+# Flags where 0 means something (documented on each field); negative is never meaningful.
+_AT_LEAST_ZERO = ("max_staleness", "max_rollout_restarts", "checkpoint_every", "seed")
+# Scales that divide or multiply the loss: 0 or less has no meaning (`not x > 0` also
+# rejects NaN, which every comparison lets through).
+_POSITIVE_FLOATS = ("lr", "temperature", "is_cap")
+
+
+def _flag(field: str) -> str:
+    return f"--{field.replace('_', '-')}"
+
+
+def _check_numbers(config: TrainConfig) -> None:
+    for field in _AT_LEAST_ONE:
+        if getattr(config, field) < 1:
+            raise ValueError(f"{_flag(field)} must be at least 1, got {getattr(config, field)}")
+    for field in _AT_LEAST_ZERO:
+        if getattr(config, field) < 0:
+            raise ValueError(f"{_flag(field)} must be >= 0, got {getattr(config, field)}")
+    for field in _POSITIVE_FLOATS:
+        if not getattr(config, field) > 0:
+            raise ValueError(f"{_flag(field)} must be > 0, got {getattr(config, field)}")
+    if not 0.0 <= config.clip_eps < 1.0:
+        raise ValueError(f"--clip-eps must be in [0, 1), got {config.clip_eps}")
+    if not 0.0 <= config.min_lr_ratio <= 1.0:
+        raise ValueError(f"--min-lr-ratio must be in [0, 1], got {config.min_lr_ratio}")
+    if config.max_grad_norm is not None and not config.max_grad_norm > 0:
+        raise ValueError(f"--max-grad-norm must be > 0, got {config.max_grad_norm}")
+    if not 0.0 <= config.corrupt_images < 1.0:
+        raise ValueError(f"--corrupt-images must be in [0, 1), got {config.corrupt_images}")
+    if config.rollout_replicas > config.batch_size:
+        raise ValueError(
+            f"--rollout-replicas {config.rollout_replicas} is more than --batch-size "
+            f"{config.batch_size}: each replica admits a share of a batch, at least one group"
+        )
+    if config.group_size < 2 and config.advantage != "gae":
+        raise ValueError(
+            f"--group-size must be at least 2 for {config.advantage} advantages "
+            "(a group baseline); --advantage gae works with 1"
+        )
+
+
+def _check_choices(config: TrainConfig) -> None:
+    from train_app.tasks import all_tasks
+
+    if config.task not in all_tasks():
+        raise ValueError(f"--task {config.task}: choose from {sorted(all_tasks())}")
+    if config.advantage not in ("grpo", "rloo", "gae"):
+        raise ValueError(f"--advantage {config.advantage}: choose from grpo, rloo, gae")
+    for field in ("rollout_resources", "trainer_resources"):
+        try:
+            resources = parse_resources(getattr(config, field))
+        except ValueError as exc:
+            raise ValueError(f"{_flag(field)}: {exc}") from None
+        custom = sorted(set(resources) - {"CPU", "GPU"})
+        if custom and not config.ray_address:
             raise ValueError(
-                f"--group-size must be at least 2 for {self.advantage} advantages "
-                "(a group baseline); --advantage gae works with 1"
+                f"{_flag(field)}: custom resource(s) {custom} need --ray-address (a cluster "
+                "whose nodes were started with them); a local cluster has none"
             )
-        for field in ("rollout_resources", "trainer_resources"):
-            flag = f"--{field.replace('_', '-')}"
-            try:
-                resources = parse_resources(getattr(self, field))
-            except ValueError as exc:
-                raise ValueError(f"{flag}: {exc}") from None
-            custom = sorted(set(resources) - {"CPU", "GPU"})
-            if custom and not self.ray_address:
-                raise ValueError(
-                    f"{flag}: custom resource(s) {custom} need --ray-address (a cluster whose "
-                    "nodes were started with them); a local cluster has none"
-                )
-        if self.model is not None and not (Path(self.model) / "config.json").exists():
-            raise ValueError(f"--model {self.model}: no config.json there (a local HF checkpoint)")
+
+
+def _check_paths(config: TrainConfig) -> None:
+    name = config.name
+    if name is not None and (name.strip() in ("", ".", "..") or Path(name).name != name):
+        raise ValueError(f"--name {config.name!r}: one directory name, without '/' or '..'")
+    if Path(config.runs_dir).exists() and not Path(config.runs_dir).is_dir():
+        raise ValueError(f"--runs-dir {config.runs_dir}: exists and is not a directory")
+    if config.model is not None and not (Path(config.model) / "config.json").exists():
+        raise ValueError(f"--model {config.model}: no config.json there (a local HF checkpoint)")
+    if config.resume is not None:
+        check_resume_dir(config.resume)
+
+
+def check_config_file(path: Path) -> None:
+    """Raise `ValueError` with one line unless `path` is a readable file (`--config`)."""
+    if not Path(path).is_file():
+        what = "is a directory" if Path(path).is_dir() else "no such file"
+        raise ValueError(f"--config {path}: {what} (a TOML file of options)")
+
+
+def check_resume_dir(path: Path) -> None:
+    """Raise `ValueError` with one line unless `path` is a run directory (`--resume`)."""
+    if not Path(path).is_dir():
+        raise ValueError(f"--resume {path}: no such run directory")
+    if not (Path(path) / "config.toml").is_file():
+        raise ValueError(f"--resume {path}: no config.toml there (not a run directory)")
 
 
 def parse_resources(text: str | None) -> dict[str, float]:

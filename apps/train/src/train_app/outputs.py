@@ -1,18 +1,49 @@
-"""Where a run's metrics go: JSONL, TensorBoard events, a PNG plot and a summary table."""
+"""Where a run's metrics go: JSONL, TensorBoard events, a PNG plot and a summary table.
+
+Nothing here holds a run's rows in memory: `MetricsWriter` keeps the count and the last row,
+and the end-of-run figures (`summarize_metrics`) and plot (`plot_metrics`) stream
+metrics.jsonl, so a run of a million steps costs the driver no more memory than one of ten.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+import statistics
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["MetricsWriter", "plot_run", "read_metrics", "rewind_metrics", "summary_table"]
+__all__ = [
+    "MAX_LOG_BYTES",
+    "MAX_PLOT_POINTS",
+    "PLOTTED_KEYS",
+    "MetricsWriter",
+    "cap_log",
+    "iter_metrics",
+    "plot_metrics",
+    "plot_run",
+    "read_metrics",
+    "rewind_metrics",
+    "summarize_metrics",
+    "summary_table",
+]
+
+# Points per curve of the plot: more than a 1500-pixel-wide figure can show, and a long
+# run's plot is drawn from an evenly spaced subset of its steps.
+MAX_PLOT_POINTS = 4000
+# Size at which `cap_log` moves a log aside: ample for a day of an actor's warnings, small
+# enough that a run that logs in a loop cannot fill the disk (at most twice this per log).
+MAX_LOG_BYTES = 64 * 1024 * 1024
+# The series `plot_run` draws.
+PLOTTED_KEYS = (
+    "reward/mean", "staleness/mean", "staleness/max", "rollout/idle_ratio", "trainer/idle_ratio",
+)  # fmt: skip
 
 
 class MetricsWriter:
@@ -23,15 +54,22 @@ class MetricsWriter:
     removed (`rewind_metrics`, atomic; `kept` holds the rows that stay), and the TensorBoard
     writer starts with `purge_step=resume_step + 1`, which makes TensorBoard discard the
     events of later steps from the earlier event files.
+
+    The writer keeps no rows: `rows` counts those in the file (the kept ones included) and
+    `last_row` is the latest one (None before any).
     """
 
     def __init__(
         self, run_dir: Path, *, tensorboard: bool = True, resume_step: int | None = None
     ) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.kept: list[dict[str, Any]] = []
+        self._resume_step = resume_step
+        self.rows = 0
+        self.last_row: dict[str, Any] | None = None
         if resume_step is not None:
-            self.kept = rewind_metrics(self.path, resume_step)
+            self.rows, self.last_row = _rewind(self.path, resume_step)
+        self.kept_rows = self.rows
+        """Rows of earlier steps a resumed run kept (0 for a new run)."""
         self._file = self.path.open("a", buffering=1)
         self._tb = None
         if tensorboard:
@@ -42,9 +80,19 @@ class MetricsWriter:
                 purge_step=None if resume_step is None else resume_step + 1,
             )
 
+    @property
+    def kept(self) -> list[dict[str, Any]]:
+        """The rows a resumed run kept, read back from the file (prefer `kept_rows` and
+        `last_row`: this list costs memory in proportion to the run)."""
+        if self._resume_step is None:
+            return []
+        return [r for r in iter_metrics(self.path) if r["step"] <= self._resume_step]
+
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         record = {"step": step, **metrics}
         self._file.write(json.dumps(record, default=_jsonable) + "\n")
+        self.rows += 1
+        self.last_row = record
         if self._tb is not None:
             for key, value in metrics.items():
                 if isinstance(value, int | float) and math.isfinite(value):
@@ -58,6 +106,29 @@ class MetricsWriter:
             self._tb.close()
 
 
+def cap_log(path: Path, max_bytes: int = MAX_LOG_BYTES) -> bool:
+    """Copy-and-truncate rotation of a log that other processes append to through file
+    descriptors of their own (an actor's stdout and stderr): past `max_bytes`, its content is
+    copied to `NAME.1` (replacing the one before) and the file is truncated in place, so every
+    writer's next `O_APPEND` write lands at its new start. Lines written between the copy and
+    the truncation are lost: a few, once per `max_bytes`. True if it rotated. Call it from a
+    thread (it copies up to `max_bytes`)."""
+    path = Path(path)
+    try:
+        if path.stat().st_size <= max_bytes:
+            return False
+    except FileNotFoundError:
+        return False
+    previous = path.with_name(path.name + ".1")
+    tmp = path.with_name(f".{path.name}.1.tmp")
+    with path.open("rb") as source, tmp.open("wb") as copy:
+        while chunk := source.read(1 << 20):
+            copy.write(chunk)
+    os.replace(tmp, previous)
+    os.truncate(path, 0)
+    return True
+
+
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return value.tolist()
@@ -69,34 +140,102 @@ def rewind_metrics(path: Path, step: int) -> list[dict[str, Any]]:
     last written wins), in step order, and return them. The file is replaced atomically (a
     temporary file renamed over it), so a crash leaves the old or the new history, never half.
     A torn last line (a killed run) is dropped."""
-    path = Path(path)
+    _rewind(Path(path), step)
+    return list(iter_metrics(path)) if Path(path).exists() else []
+
+
+def _rewind(path: Path, step: int) -> tuple[int, dict[str, Any] | None]:
+    """`rewind_metrics` returning only the count of kept rows and the last of them. Only the
+    byte offset of each step's row is held while the file is rewritten."""
     if not path.exists():
-        return []
-    rows: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
+        return 0, None
+    offsets: dict[int, int] = {}
+    with path.open("rb") as source:
+        for offset, at in _row_steps(source):
+            if at <= step:
+                offsets[at] = offset
+        tmp = path.with_name(f".{path.name}.rewind")
+        last = None
+        with tmp.open("wb") as file:
+            for at in sorted(offsets):
+                source.seek(offsets[at])
+                line = source.readline()
+                file.write(line)
+                last = line
+            file.flush()
+            os.fsync(file.fileno())
+    os.replace(tmp, path)
+    return len(offsets), None if last is None else json.loads(last)
+
+
+def _row_steps(file: Any) -> Iterator[tuple[int, int]]:
+    """(byte offset, step) of every whole row of an open metrics.jsonl."""
+    offset = 0
+    for line in iter(file.readline, b""):
+        start, offset = offset, offset + len(line)
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            continue
+            continue  # a torn line (a killed run)
         at = record.get("step") if isinstance(record, dict) else None
-        if isinstance(at, int) and at <= step:
-            rows[at] = record
-    kept = [rows[k] for k in sorted(rows)]
-    tmp = path.with_name(f".{path.name}.rewind")
-    with tmp.open("w") as file:
-        file.writelines(json.dumps(r, default=_jsonable) + "\n" for r in kept)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp, path)
-    return kept
+        if isinstance(at, int) and line.endswith(b"\n"):
+            yield start, at
+
+
+def iter_metrics(path: Path) -> Iterator[dict[str, Any]]:
+    """The rows of a metrics.jsonl, one at a time; a torn line (a killed run) is skipped."""
+    with Path(path).open() as file:
+        for line in file:
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    with Path(path).open() as file:
-        return [json.loads(line) for line in file if line.strip()]
+    return list(iter_metrics(path))
 
 
-def _series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
+def summarize_metrics(path: Path) -> dict[str, Any]:
+    """The end-of-run figures of a metrics.jsonl, streamed: `steps` (rows), the mean reward
+    of the first and last tenth of the steps, the largest staleness and the last weight
+    version. Holds one float per step, not the rows."""
+    rewards = array("d")
+    rows, staleness_max, version = 0, 0.0, ""
+    for row in iter_metrics(path):
+        rows += 1
+        if isinstance(row.get("reward/mean"), int | float):
+            rewards.append(row["reward/mean"])
+        if isinstance(row.get("staleness/max"), int | float):
+            staleness_max = max(staleness_max, row["staleness/max"])
+        version = row.get("trainer/version", "")
+    tenth = max(1, len(rewards) // 10)
+    return {
+        "steps": rows,
+        "reward_first_tenth": statistics.fmean(rewards[:tenth]) if rewards else float("nan"),
+        "reward_last_tenth": statistics.fmean(rewards[-tenth:]) if rewards else float("nan"),
+        "staleness_max": staleness_max,
+        "weight_version": version,
+    }
+
+
+def plot_metrics(path: Path, png: Path, title: str = "", max_points: int = MAX_PLOT_POINTS) -> Path:
+    """`plot_run` of a metrics.jsonl, streamed: only the plotted keys are read, and a run of
+    more than `max_points` steps is drawn from an evenly spaced subset of them (the last
+    step always included)."""
+    rows = sum(1 for _ in iter_metrics(path)) if Path(path).exists() else 0
+    stride = max(1, math.ceil(rows / max_points))
+    picked = (
+        {"step": r["step"], **{k: r[k] for k in PLOTTED_KEYS if k in r}}
+        for i, r in enumerate(iter_metrics(path) if rows else ())
+        if i % stride == 0 or i == rows - 1
+    )
+    return plot_run(list(picked), png, title)
+
+
+def _series(records: Iterable[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
     points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float)]
     return [p[0] for p in points], [p[1] for p in points]
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ppo_trainer.checkpoint_meta import TrainerState, read_checkpoint_meta
+from ppo_trainer.checkpoint_files import (
+    CheckpointError,
+    CheckpointSearch,
+    find_usable_checkpoint,
+    remove_leftovers,
+    verify_checkpoint,
+    write_manifest,
+)
+from ppo_trainer.checkpoint_meta import ConsumedIds, TrainerState, read_checkpoint_meta
 from ppo_trainer.config import PPOConfig
 from ppo_trainer.protocols import (
     BatchSource,
@@ -17,6 +25,7 @@ from ppo_trainer.protocols import (
     MetricsSink,
     MetricValue,
     MultiModalInputsFn,
+    StalenessBound,
     WeightSink,
 )
 from ppo_trainer.types import TRAJECTORY_SCHEMA_VERSION, MultiModalRef, Timings, Trajectory
@@ -41,17 +50,22 @@ if TYPE_CHECKING:
     )
     from ppo_trainer.schedule import lr_multiplier
     from ppo_trainer.sources import iterate_batch_source
-    from ppo_trainer.staleness import group_staleness
+    from ppo_trainer.staleness import MaxStaleness, group_staleness
     from ppo_trainer.trainer import PPOTrainer, StopReason, TrainSummary
     from ppo_trainer.update import PolicyUpdater, export_weights
+    from ppo_trainer.weights import WeightPusher
 
 __all__ = [
     "TRAJECTORY_SCHEMA_VERSION",
     "BatchSource",
+    "CheckpointError",
+    "CheckpointSearch",
+    "ConsumedIds",
     "DPStrategy",
     "DataParallel",
     "GroupShard",
     "GroupSource",
+    "MaxStaleness",
     "MetricValue",
     "MetricsSink",
     "MultiModalInputsFn",
@@ -60,15 +74,18 @@ __all__ = [
     "PPOTrainer",
     "PackedBatch",
     "PolicyUpdater",
+    "StalenessBound",
     "StopReason",
     "Timings",
     "TrainSummary",
     "TrainerState",
     "Trajectory",
+    "WeightPusher",
     "WeightSink",
     "aggregate_loss",
     "entropy_from_logits",
     "export_weights",
+    "find_usable_checkpoint",
     "gae_advantages",
     "group_staleness",
     "grpo_advantages",
@@ -80,10 +97,13 @@ __all__ = [
     "pack_batch",
     "policy_loss",
     "read_checkpoint_meta",
+    "remove_leftovers",
     "rloo_advantages",
     "shard_groups",
     "token_logprobs",
     "value_loss",
+    "verify_checkpoint",
+    "write_manifest",
 ]
 
 # name -> module of the torch-dependent part of the API (imported on first access).
@@ -111,8 +131,10 @@ _LAZY = {
     "StopReason": "trainer",
     "TrainSummary": "trainer",
     "group_staleness": "staleness",
+    "MaxStaleness": "staleness",
     "PolicyUpdater": "update",
     "export_weights": "update",
+    "WeightPusher": "weights",
 }
 
 

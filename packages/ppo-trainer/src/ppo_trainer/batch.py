@@ -149,7 +149,7 @@ def pack_batch(
         raise ValueError("need exactly one advantage per trajectory")
     if not trajectories:
         raise ValueError("cannot pack an empty batch")
-    seq_lens = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+    seq_lens = [len(t.prompt_token_ids) + len(t.response_ids) for t in trajectories]
     length = max(max(seq_lens), 2)
     batch = len(trajectories)
     input_ids = torch.full((batch, length), pad_token_id, dtype=torch.long)
@@ -157,7 +157,7 @@ def pack_batch(
     response_mask = torch.zeros((batch, length - 1), dtype=torch.float32)
     behav_logp = torch.zeros((batch, length - 1), dtype=torch.float32)
     for row, traj in enumerate(trajectories):
-        n_prompt, n_resp = len(traj.prompt_ids), len(traj.response_ids)
+        n_prompt, n_resp = len(traj.prompt_token_ids), len(traj.response_ids)
         if n_prompt < 1:
             raise ValueError(f"trajectory {traj.response_id}: empty prompt")
         if len(traj.behaviour_logprobs) != n_resp:
@@ -166,7 +166,7 @@ def pack_batch(
                 f"log-probs for {n_resp} response tokens"
             )
         input_ids[row, : n_prompt + n_resp] = torch.tensor(
-            [*traj.prompt_ids, *traj.response_ids], dtype=torch.long
+            [*traj.prompt_token_ids, *traj.response_ids], dtype=torch.long
         )
         attention_mask[row, : n_prompt + n_resp] = 1
         response_mask[row, n_prompt - 1 : n_prompt - 1 + n_resp] = _loss_mask(traj)

@@ -7,11 +7,21 @@ ids) without importing torch.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["CHECKPOINT_FORMAT", "STATE_FILE", "TrainerState", "read_checkpoint_meta"]
+if TYPE_CHECKING:
+    from ppo_trainer.types import Trajectory
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "STATE_FILE",
+    "ConsumedIds",
+    "TrainerState",
+    "read_checkpoint_meta",
+]
 
 CHECKPOINT_FORMAT = 1
 STATE_FILE = "trainer_state.json"
@@ -56,8 +66,52 @@ class TrainerState:
                 **responses,
                 "consumed_group_ids": list(self.consumed_group_ids),
                 "consumed_prompt_ids": list(self.consumed_prompt_ids),
+                # Checkpoints written from now on have a manifest: one without it is damaged.
+                "has_manifest": True,
                 "config": config or {},
             }
+        )
+
+
+class ConsumedIds:
+    """Distinct response, group and prompt ids consumed so far, each in first-seen order.
+
+    Insertion-ordered sets (dict keys): a response seen twice (re-delivered) is stored once.
+    They grow with the run (a resume must skip every prompt trained on);
+    `TrainerState.to_json` writes them compactly.
+    """
+
+    def __init__(
+        self,
+        response_ids: Sequence[str] = (),
+        group_ids: Sequence[str] = (),
+        prompt_ids: Sequence[str] = (),
+    ) -> None:
+        self.response_ids: dict[str, None] = dict.fromkeys(response_ids)
+        self.group_ids: dict[str, None] = dict.fromkeys(group_ids)
+        self.prompt_ids: dict[str, None] = dict.fromkeys(prompt_ids)
+
+    @classmethod
+    def of_state(cls, state: TrainerState) -> ConsumedIds:
+        """The ids a checkpoint's `TrainerState` recorded."""
+        return cls(state.consumed_response_ids, state.consumed_group_ids, state.consumed_prompt_ids)
+
+    def add_groups(self, groups: Sequence[list[Trajectory]]) -> None:
+        for group in groups:
+            for t in group:
+                self.response_ids[t.response_id] = None
+                self.group_ids[t.group_id] = None
+                if t.prompt_id:
+                    self.prompt_ids[t.prompt_id] = None
+
+    def state(self, step: int, version: int) -> TrainerState:
+        """A `TrainerState` at `step` / `version` with these ids."""
+        return TrainerState(
+            step=step,
+            version=version,
+            consumed_response_ids=tuple(self.response_ids),
+            consumed_group_ids=tuple(self.group_ids),
+            consumed_prompt_ids=tuple(self.prompt_ids),
         )
 
 

@@ -7,6 +7,7 @@ from typing import Literal
 
 __all__ = [
     "ADVANTAGE_MODES",
+    "DEFAULT_MAX_STALENESS",
     "IS_LEVELS",
     "IS_MODES",
     "KL_ESTIMATORS",
@@ -32,6 +33,11 @@ KLEstimator = Literal["k1", "k2", "k3", "abs"]
 LRSchedule = Literal["constant", "linear", "cosine"]
 ISLevel = Literal["token", "sequence"]
 ISMode = Literal["truncate", "mask"]
+
+# The staleness bound k of the whole stack (rollouter and app use the same value): two
+# versions of lag keep the rollouter busy while the trainer steps, and the decoupled loss
+# corrects that much off-policyness.
+DEFAULT_MAX_STALENESS = 2
 
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
@@ -91,7 +97,10 @@ class PPOConfig:
     clip_eps: float = 0.2
     """PPO clip range: ratio clipped to [1 - clip_eps, 1 + clip_eps_high]."""
     clip_eps_high: float | None = None
-    """Upper clip range ("clip-higher"); None uses `clip_eps`."""
+    """Upper clip range ("clip-higher", asymmetric clip): the ratio is clipped to
+    [1 - clip_eps, 1 + clip_eps_high], so a token whose probability the update raises may
+    rise further than one it lowers may fall (DAPO uses 0.28 with clip_eps 0.2). None:
+    `clip_eps` (symmetric)."""
     dual_clip: float | None = None
     """Dual-clip constant c > 1: for A < 0 the loss is bounded by -c * A. None: off."""
     is_cap: float | None = 2.0
@@ -155,8 +164,9 @@ class PPOConfig:
     # --- asynchrony ---------------------------------------------------------------------
     sync_every: int = 1
     """Push weights (and bump the policy version) every this many steps."""
-    max_staleness: int = 4
-    """Drop a group whose staleness (version - min token version) exceeds this."""
+    max_staleness: int = DEFAULT_MAX_STALENESS
+    """Drop a group whose staleness (version - min token version) exceeds this (unless the
+    trainer is given a `StalenessBound`, which then decides)."""
     initial_version: int = 0
     """Policy version of the weights the trainer starts with."""
     background_push: bool = True
@@ -167,7 +177,12 @@ class PPOConfig:
 
     # --- misc ---------------------------------------------------------------------------
     seed: int = 0
-    """Seeds the minibatch shuffling generator."""
+    """Seeds the minibatch shuffling generator (and, with `deterministic`, torch's)."""
+    deterministic: bool = False
+    """Repeatable steps: torch uses deterministic kernels where it has them
+    (`torch.use_deterministic_algorithms`, warning where it has none) and its global RNG
+    (dropout) is seeded with `seed` when the trainer is built. Process-wide; may be slower
+    on a GPU. The data (which groups, in which order) must repeat too."""
     checkpoint_dir: str | None = None
     """Where `train()` writes periodic checkpoints (with `checkpoint_every`)."""
     checkpoint_every: int = 0
@@ -191,6 +206,8 @@ class PPOConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.clip_eps < 1:
             raise ValueError(f"clip_eps must be in [0, 1), got {self.clip_eps}")
+        if self.clip_eps_high is not None and self.clip_eps_high < 0:
+            raise ValueError(f"clip_eps_high must be >= 0 (or None), got {self.clip_eps_high}")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
         if self.is_cap is not None and self.is_cap <= 0:
@@ -205,6 +222,10 @@ class PPOConfig:
             raise ValueError(f"keep_checkpoints must be >= 0, got {self.keep_checkpoints}")
         if self.checkpoint_every > 0 and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every > 0 needs checkpoint_dir")
+        self._check_modes_and_ranges()
+
+    def _check_modes_and_ranges(self) -> None:
+        """The string choices, and the ranges of the loss, KL and GAE options."""
         for name, allowed in (
             ("loss_agg", LOSS_AGG_MODES),
             ("advantage", ADVANTAGE_MODES),

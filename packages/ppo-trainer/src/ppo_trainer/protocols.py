@@ -16,6 +16,7 @@ __all__ = [
     "MetricValue",
     "MetricsSink",
     "MultiModalInputsFn",
+    "StalenessBound",
     "WeightSink",
 ]
 
@@ -61,8 +62,20 @@ class MultiModalInputsFn(Protocol):
     sequences of a micro-batch and passes to `model.forward` by name, e.g. for Qwen2-VL
     `{"pixel_values": [num_patches, C*T*P*P], "image_grid_thw": [num_images, 3]}`.
     Called in the trainer's worker thread (never on the event loop), once per distinct
-    `MultiModalRef` in a step. The trajectory's `prompt_ids` must already contain the
+    `MultiModalRef` in a step. The trajectory's `prompt_token_ids` must already contain the
     expanded image placeholder tokens, as the HF processor produces them.
     """
 
     def __call__(self, ref: MultiModalRef) -> Mapping[str, torch.Tensor]: ...
+
+
+@runtime_checkable
+class StalenessBound(Protocol):
+    """The one staleness bound of a run (the app builds it once and hands it to every
+    component): a group whose staleness (trainer version minus its oldest generated token's
+    version) is `too_stale` is dropped, not trained on. `max_staleness` is the bound k."""
+
+    @property
+    def max_staleness(self) -> int: ...
+
+    def too_stale(self, staleness: int) -> bool: ...

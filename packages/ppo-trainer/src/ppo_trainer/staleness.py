@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ppo_trainer.protocols import MetricValue
 from ppo_trainer.types import Trajectory
 
-__all__ = ["group_staleness", "staleness_metrics"]
+__all__ = ["MaxStaleness", "group_staleness", "old_token_fraction", "staleness_metrics"]
+
+
+@dataclass(frozen=True, slots=True)
+class MaxStaleness:
+    """The trainer's own `StalenessBound` (from `PPOConfig.max_staleness`) when the app
+    hands it none: staleness above `max_staleness` is too stale."""
+
+    max_staleness: int
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+    def too_stale(self, staleness: int) -> bool:
+        return staleness > self.max_staleness
 
 
 def group_staleness(group: list[Trajectory], version: int) -> int:
@@ -26,3 +43,16 @@ def staleness_metrics(staleness: list[int], max_staleness: int) -> dict[str, Met
         "staleness/max": float(max(staleness, default=0)),
         "staleness/hist": hist,
     }
+
+
+def old_token_fraction(groups: list[list[Trajectory]], version: int) -> float:
+    """The fraction of the generated tokens of `groups` that weights older than `version`
+    (the trainer's current one) produced: how off-policy a step's data is, token by token
+    (a group's staleness counts only its oldest token)."""
+    old = total = 0
+    for group in groups:
+        for t in group:
+            versions = t.generated_versions
+            total += len(versions)
+            old += sum(1 for v in versions if v < version)
+    return old / total if total else 0.0

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,19 +24,27 @@ import torch
 from ppo_trainer.advantages import grpo_advantages, rloo_advantages
 from ppo_trainer.batch import pack_batch
 from ppo_trainer.checkpoint import load_checkpoint, save_checkpoint, update_latest
-from ppo_trainer.checkpoint_meta import TrainerState
+from ppo_trainer.checkpoint_files import CheckpointError, verify_checkpoint, write_manifest
+from ppo_trainer.checkpoint_meta import ConsumedIds
 from ppo_trainer.config import PPOConfig
 from ppo_trainer.protocols import (
     GroupSource,
     MetricsSink,
     MetricValue,
     MultiModalInputsFn,
+    StalenessBound,
     WeightSink,
 )
 from ppo_trainer.sources import iterate_groups
-from ppo_trainer.staleness import group_staleness, staleness_metrics
+from ppo_trainer.staleness import (
+    MaxStaleness,
+    group_staleness,
+    old_token_fraction,
+    staleness_metrics,
+)
 from ppo_trainer.types import Trajectory
 from ppo_trainer.update import PolicyUpdater
+from ppo_trainer.weights import WeightPusher
 
 if TYPE_CHECKING:
     from ppo_trainer.distributed import DataParallel
@@ -72,6 +81,43 @@ class TrainSummary:
 
 
 @dataclass(slots=True)
+class _Tally:
+    """What one `train()` call did so far (its `TrainSummary` at the end)."""
+
+    reason: StopReason = "end_of_stream"
+    steps: int = 0
+    groups: int = 0
+    samples: int = 0
+    dropped: int = 0
+    tokens: int = 0
+    idle_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+    def add_step(self, groups: list[list[Trajectory]], tokens: int) -> None:
+        self.steps += 1
+        self.groups += len(groups)
+        self.samples += sum(len(g) for g in groups)
+        self.tokens += tokens
+
+    def summary(self, step: int, version: int, metrics: dict[str, MetricValue]) -> TrainSummary:
+        wall_s = time.perf_counter() - self.started
+        return TrainSummary(
+            reason=self.reason,
+            steps=self.steps,
+            step=step,
+            version=version,
+            groups=self.groups,
+            samples=self.samples,
+            dropped_groups=self.dropped,
+            tokens=self.tokens,
+            wall_s=wall_s,
+            idle_s=self.idle_s,
+            idle_ratio=self.idle_s / wall_s if wall_s > 0 else 0.0,
+            metrics=dict(metrics),
+        )
+
+
+@dataclass(slots=True)
 class _Collected:
     groups: list[list[Trajectory]] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
@@ -102,8 +148,15 @@ class PPOTrainer:
         pad_token_id: int = 0,
         data_parallel: DataParallel | None = None,
         on_checkpoint: Callable[[Path], Awaitable[None]] | None = None,
+        checkpoint_labels: Mapping[str, str] | None = None,
+        staleness_bound: StalenessBound | None = None,
     ) -> None:
         self.config = config or PPOConfig()
+        # The run's one bound (any object with `max_staleness` and `too_stale`); without
+        # one, the config's `max_staleness`.
+        self._staleness_bound: StalenessBound = staleness_bound or MaxStaleness(
+            self.config.max_staleness
+        )
         if data_parallel is not None and data_parallel.strategy == "fsdp2" and optimizer:
             raise ValueError("fsdp2 replaces the model's parameters: leave optimizer=None")
         self._dp = data_parallel
@@ -115,10 +168,13 @@ class PPOTrainer:
             ref_model=ref_model,
             data_parallel=data_parallel,
         )
-        self._weight_sink = weight_sink
+        self._pusher = WeightPusher(weight_sink, background=self.config.background_push)
         self._metrics_sink = metrics_sink
         # Adds the caller's own files to each checkpoint directory (see `save_checkpoint`).
         self._on_checkpoint = on_checkpoint
+        # Written into each checkpoint's manifest; `verify_checkpoint(expect_labels=)` checks
+        # them (e.g. {"model": name}: a resume with another model is refused up front).
+        self._checkpoint_labels = dict(checkpoint_labels or {})
         self._mm_inputs_fn = mm_inputs_fn
         self._pad_token_id = pad_token_id
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppo-trainer")
@@ -127,7 +183,7 @@ class PPOTrainer:
         # True while the weights equal those of `self._version` (at the start, right after a
         # push, after a checkpoint load): only then is `ppo/behav_logprob_diff` meaningful.
         self._weights_are_version = True
-        self._consumed = _ConsumedIds()
+        self._consumed = ConsumedIds()
         self._dropped_total = 0
         self._latest: dict[str, MetricValue] = {}
         self._stop_requested = False
@@ -135,8 +191,6 @@ class PPOTrainer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = False
         self._in_step = False
-        self._push_task: asyncio.Task[None] | None = None
-        self._last_push_s: float | None = None
 
     # -- state ----------------------------------------------------------------------------
 
@@ -152,6 +206,11 @@ class PPOTrainer:
     def step(self) -> int:
         """Trainer steps done so far (restored by `load_checkpoint`)."""
         return self._step
+
+    @property
+    def staleness_bound(self) -> StalenessBound:
+        """The bound that decides which groups are too stale to train on."""
+        return self._staleness_bound
 
     @property
     def version(self) -> int:
@@ -233,7 +292,7 @@ class PPOTrainer:
         if self._running:
             raise RuntimeError("train() is already running")
         if weight_sink is not None:
-            self._weight_sink = weight_sink
+            self._pusher.sink = weight_sink
         if self._dp is not None and not self._dp.is_leader:
             self._running = True
             try:
@@ -250,88 +309,57 @@ class PPOTrainer:
         iterator = iterate_groups(
             source, self.config.batch_size, lambda: self._version, end_of_stream
         )
-        started = time.perf_counter()
-        idle_s = 0.0
-        steps = groups = samples = dropped = tokens = 0
-        reason: StopReason = "end_of_stream"
+        tally = _Tally()
         self._dp_end_due = self._dp is not None
         try:
-            while True:
-                total = self.config.total_steps
-                if total is not None and self._step >= total:
-                    reason = "total_steps"
-                    break
-                if self._stop_event.is_set():
-                    reason = "stopped"
-                    break
-                iteration_start = time.perf_counter()
-                collected = await self._collect(iterator)
-                wait_s = time.perf_counter() - iteration_start
-                idle_s += wait_s
-                if collected.stopped:
-                    reason = "stopped"  # a partial batch is discarded, not marked consumed
-                    break
-                dropped += len(collected.dropped)
-                self._consumed.add_groups(collected.dropped)
-                if collected.groups:
-                    step_tokens = await self._train_step(collected, wait_s, iteration_start)
-                    steps += 1
-                    groups += len(collected.groups)
-                    samples += sum(len(g) for g in collected.groups)
-                    tokens += step_tokens
-                if collected.ended:
-                    reason = "end_of_stream"
-                    break
-            await self._finish_push()
+            await self._train_loop(iterator, tally)
+            await self._pusher.finish()
         finally:
             if self._dp is not None and self._dp_end_due:
                 # Release the other ranks (also after a source error; not after a failed
                 # step, whose collectives may have left them waiting elsewhere).
                 self._dp_end_due = False
-                await self._in_worker(self._dp.broadcast_object, _DPEnd(reason))
-            await self._abandon_push()
+                await self._in_worker(self._dp.broadcast_object, _DPEnd(tally.reason))
+            await self._pusher.abandon(self._version)
             self._running = False
             self._stop_requested = False
             self._stop_event = None
             self._loop = None
-        wall_s = time.perf_counter() - started
-        summary = TrainSummary(
-            reason=reason,
-            steps=steps,
-            step=self._step,
-            version=self._version,
-            groups=groups,
-            samples=samples,
-            dropped_groups=dropped,
-            tokens=tokens,
-            wall_s=wall_s,
-            idle_s=idle_s,
-            idle_ratio=idle_s / wall_s if wall_s > 0 else 0.0,
-            metrics=dict(self._latest),
+        logger.info(
+            "training ended (%s) after %d steps, version %d",
+            tally.reason,
+            tally.steps,
+            self._version,
         )
-        logger.info("training ended (%s) after %d steps, version %d", reason, steps, self._version)
-        return summary
+        return tally.summary(self._step, self._version, self._latest)
 
-    async def _push(self, sink: WeightSink, weights: dict[str, torch.Tensor], version: int) -> None:
-        started = time.perf_counter()
-        await sink.push_weights(weights, version)
-        self._last_push_s = time.perf_counter() - started
-
-    async def _finish_push(self) -> None:
-        """Wait for the background push in flight, if any; its error is raised here."""
-        task, self._push_task = self._push_task, None
-        if task is not None:
-            await task
-
-    async def _abandon_push(self) -> None:
-        """On the way out of `train()` after an error or cancel: let the push in flight end
-        (it is not cancelled halfway through a load) and log, not raise, its error."""
-        task, self._push_task = self._push_task, None
-        if task is None:
-            return
-        await asyncio.wait({task})
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("weight push %d failed: %r", self._version, task.exception())
+    async def _train_loop(self, iterator: AsyncIterator[list[Trajectory]], tally: _Tally) -> None:
+        """Collect a batch and train on it until the end of the stream, a stop or
+        `total_steps`; `tally.reason` says which."""
+        assert self._stop_event is not None
+        while True:
+            total = self.config.total_steps
+            if total is not None and self._step >= total:
+                tally.reason = "total_steps"
+                return
+            if self._stop_event.is_set():
+                tally.reason = "stopped"
+                return
+            iteration_start = time.perf_counter()
+            collected = await self._collect(iterator)
+            wait_s = time.perf_counter() - iteration_start
+            tally.idle_s += wait_s
+            if collected.stopped:
+                tally.reason = "stopped"  # a partial batch is discarded, not marked consumed
+                return
+            tally.dropped += len(collected.dropped)
+            self._consumed.add_groups(collected.dropped)
+            if collected.groups:
+                step_tokens = await self._train_step(collected, wait_s, iteration_start)
+                tally.add_step(collected.groups, step_tokens)
+            if collected.ended:
+                tally.reason = "end_of_stream"
+                return
 
     async def _collect(self, iterator: AsyncIterator[list[Trajectory]]) -> _Collected:
         """Pull groups until `batch_size` fresh ones, the end of the stream or a stop."""
@@ -353,14 +381,14 @@ class PPOTrainer:
             if not group:
                 continue
             staleness = group_staleness(group, self._version)
-            if staleness > self.config.max_staleness:
+            if self._staleness_bound.too_stale(staleness):
                 self._dropped_total += 1
                 collected.dropped.append(group)
                 logger.warning(
                     "dropped group %s: staleness %d > max_staleness %d",
                     group[0].group_id,
                     staleness,
-                    self.config.max_staleness,
+                    self._staleness_bound.max_staleness,
                 )
                 continue
             collected.groups.append(group)
@@ -404,19 +432,13 @@ class PPOTrainer:
         if sync_due:
             self._version += 1
             sync_started = time.perf_counter()
-            await self._finish_push()  # one push at a time, in version order
-            if self._weight_sink is not None and result.weights is not None:
-                push = self._push(self._weight_sink, result.weights, self._version)
-                if self.config.background_push:
-                    self._push_task = asyncio.ensure_future(push)
-                else:
-                    await push
+            await self._pusher.push(result.weights, self._version)
             # What the step spent on weights: the export plus any wait for a push.
             metrics["weights/sync_s"] = result.export_s + time.perf_counter() - sync_started
-            if self._last_push_s is not None:
-                metrics["weights/push_s"] = self._last_push_s
+            if self._pusher.last_push_s is not None:
+                metrics["weights/push_s"] = self._pusher.last_push_s
         iteration_s = time.perf_counter() - iteration_start
-        metrics.update(staleness_metrics(collected.staleness, self.config.max_staleness))
+        metrics.update(staleness_metrics(collected.staleness, self._staleness_bound.max_staleness))
         metrics.update(
             {
                 "trainer/step_s": result.step_s,
@@ -450,13 +472,11 @@ class PPOTrainer:
     async def _follow(self) -> TrainSummary:
         """`train()` on a rank other than 0: take each step's groups from rank 0, train on
         this rank's shard, until rank 0 says the run ended."""
-        started = time.perf_counter()
-        steps = groups = samples = tokens = 0
-        reason: StopReason = "end_of_stream"
+        tally = _Tally()
         while True:
             received = await self._in_worker(self._follow_in_worker)
             if isinstance(received, _DPEnd):
-                reason = received.reason
+                tally.reason = received.reason
                 break
             message, result = received
             self._step += 1
@@ -468,45 +488,47 @@ class PPOTrainer:
             self._latest = metrics
             if self._metrics_sink is not None:
                 self._metrics_sink.log(metrics, self._step)
-            steps += 1
-            groups += len(message.groups)
-            samples += sum(len(g) for g in message.groups)
-            tokens += result.tokens
+            tally.add_step(message.groups, result.tokens)
             await self._maybe_checkpoint()
-        wall_s = time.perf_counter() - started
-        return TrainSummary(
-            reason=reason,
-            steps=steps,
-            step=self._step,
-            version=self._version,
-            groups=groups,
-            samples=samples,
-            dropped_groups=0,
-            tokens=tokens,
-            wall_s=wall_s,
-            idle_s=0.0,
-            idle_ratio=0.0,
-            metrics=dict(self._latest),
-        )
+        return tally.summary(self._step, self._version, self._latest)
 
     def _follow_in_worker(self) -> _DPEnd | tuple[_DPStep, _StepResult]:
         assert self._dp is not None
         message = self._dp.broadcast_object()
         if isinstance(message, _DPEnd):
             return message
-        return message, self._dp_step(message, time.perf_counter())
+        return message, self._step_shard(message, time.perf_counter())
 
-    def _dp_step(self, message: _DPStep, started: float) -> _StepResult:
-        """This rank's part of a step: its group-aligned shard of `message.groups`."""
-        from ppo_trainer.distributed import shard_groups
+    def _step_in_worker(self, groups: list[list[Trajectory]], sync_due: bool) -> _StepResult:
+        """Rank 0's (or the only process's) step: tell the other ranks, then take part."""
+        message = _DPStep(
+            groups=groups,
+            sync_due=sync_due,
+            export=sync_due and self._pusher.sink is not None,
+            version=self._version,
+            current_version=self._version if self._weights_are_version else None,
+        )
+        started = time.perf_counter()
+        if self._dp is not None:
+            self._dp.broadcast_object(message)
+        result = self._step_shard(message, started)
+        result.metrics["staleness/old_token_frac"] = old_token_fraction(groups, self._version)
+        return result
 
-        assert self._dp is not None
-        shard = shard_groups(message.groups, self._dp.rank, self._dp.world_size)
-        local = [t for group in shard.groups for t in group]
+    def _step_shard(self, message: _DPStep, started: float) -> _StepResult:
+        """This process's part of a step: its group-aligned shard of `message.groups` (all
+        of them in one process, the world-size-1 case)."""
+        groups, shard = message.groups, None
+        if self._dp is not None:
+            from ppo_trainer.distributed import shard_groups
+
+            shard = shard_groups(message.groups, self._dp.rank, self._dp.world_size)
+            groups = shard.groups
+        local = [t for group in groups for t in group]
         advantages = None  # GAE: the updater computes token advantages from its values
         if self.config.advantage != "gae":
             # Per group, and groups are never split: the same advantages as one process.
-            advantages = [a for group in shard.groups for a in self._advantages(group)]
+            advantages = [a for group in groups for a in self._advantages(group)]
         batch = None
         if local:
             batch = pack_batch(
@@ -529,48 +551,8 @@ class PPOTrainer:
             weights=weights,
             step_s=step_s,
             export_s=export_s,
-            tokens=sum(len(t.prompt_ids) + len(t.response_ids) for t in everything),
+            tokens=sum(len(t.prompt_token_ids) + len(t.response_ids) for t in everything),
             reward_mean=sum(t.reward for t in everything) / len(everything),
-        )
-
-    def _step_in_worker(self, groups: list[list[Trajectory]], export: bool) -> _StepResult:
-        started = time.perf_counter()
-        if self._dp is not None:
-            message = _DPStep(
-                groups=groups,
-                sync_due=export,
-                export=export and self._weight_sink is not None,
-                version=self._version,
-                current_version=self._version if self._weights_are_version else None,
-            )
-            self._dp.broadcast_object(message)
-            return self._dp_step(message, started)
-        trajectories = [t for group in groups for t in group]
-        advantages = None  # GAE: the updater computes token advantages from its values
-        if self.config.advantage != "gae":
-            advantages = [a for group in groups for a in self._advantages(group)]
-        batch = pack_batch(
-            trajectories,
-            advantages,
-            pad_token_id=self._pad_token_id,
-            mm_inputs_fn=self._mm_inputs_fn,
-            current_version=self._version if self._weights_are_version else None,
-        )
-        metrics = self._updater.step(batch)
-        step_s = time.perf_counter() - started
-        weights, export_s = None, 0.0
-        if export and self._weight_sink is not None:
-            export_started = time.perf_counter()
-            weights = self._updater.export_weights()
-            export_s = time.perf_counter() - export_started
-        rewards = [t.reward for t in trajectories]
-        return _StepResult(
-            metrics=metrics,
-            weights=weights,
-            step_s=step_s,
-            export_s=export_s,
-            tokens=batch.num_tokens,
-            reward_mean=sum(rewards) / len(rewards),
         )
 
     def _advantages(self, group: list[Trajectory]) -> list[float]:
@@ -589,31 +571,32 @@ class PPOTrainer:
         Runs in the worker thread, so it never overlaps a step. Then `on_checkpoint(path)`
         (rank 0 only, on the event loop) adds the caller's files (the app: the rollouters'
         in-flight partials); periodic checkpoints point `latest` at `path` only after it
-        returns, so `latest` never names a checkpoint without them."""
-        state = TrainerState(
-            step=self._step,
-            version=self._version,
-            consumed_response_ids=tuple(self._consumed.response_ids),
-            consumed_group_ids=tuple(self._consumed.group_ids),
-            consumed_prompt_ids=tuple(self._consumed.prompt_ids),
+        returns, so `latest` never names a checkpoint without them. The manifest is
+        rewritten after the caller's files, so it lists them too and is written last."""
+        state = self._consumed.state(self._step, self._version)
+        labels = self._checkpoint_labels
+        saved = await self._in_worker(
+            functools.partial(save_checkpoint, labels=labels), path, self._updater, state
         )
-        saved = await self._in_worker(save_checkpoint, path, self._updater, state)
         logger.info("saved checkpoint %s (step %d)", saved, self._step)
         if self._on_checkpoint is not None and (self._dp is None or self._dp.is_leader):
             await self._on_checkpoint(saved)
+            await self._in_worker(write_manifest, saved, labels)
         return saved
 
     async def load_checkpoint(self, path: str | Path) -> None:
-        """Restore everything `save_checkpoint` wrote, into this trainer's model/optimizer."""
+        """Restore everything `save_checkpoint` wrote, into this trainer's model/optimizer.
+
+        Raises `CheckpointError` (one line) if `verify_checkpoint` finds it damaged, or it
+        is another model's."""
         if self._running:
             raise RuntimeError("cannot load a checkpoint while train() is running")
+        await self._in_worker(_raise_if_damaged, path)
         state = await self._in_worker(load_checkpoint, path, self._updater)
         self._step = state.step
         self._version = state.version
         self._weights_are_version = True  # the sink is assumed to get these weights as `version`
-        self._consumed = _ConsumedIds(
-            state.consumed_response_ids, state.consumed_group_ids, state.consumed_prompt_ids
-        )
+        self._consumed = ConsumedIds.of_state(state)
         logger.info("loaded checkpoint %s (step %d, version %d)", path, self._step, self._version)
 
     @classmethod
@@ -631,33 +614,6 @@ class PPOTrainer:
 
     async def _in_worker(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-
-class _ConsumedIds:
-    """Distinct response, group and prompt ids consumed so far, each in first-seen order.
-
-    Insertion-ordered sets (dict keys): a response seen twice (re-delivered) is stored once.
-    They grow with the run (a resume must skip every prompt trained on);
-    `TrainerState.to_json` writes them compactly.
-    """
-
-    def __init__(
-        self,
-        response_ids: Sequence[str] = (),
-        group_ids: Sequence[str] = (),
-        prompt_ids: Sequence[str] = (),
-    ) -> None:
-        self.response_ids: dict[str, None] = dict.fromkeys(response_ids)
-        self.group_ids: dict[str, None] = dict.fromkeys(group_ids)
-        self.prompt_ids: dict[str, None] = dict.fromkeys(prompt_ids)
-
-    def add_groups(self, groups: Sequence[list[Trajectory]]) -> None:
-        for group in groups:
-            for t in group:
-                self.response_ids[t.response_id] = None
-                self.group_ids[t.group_id] = None
-                if t.prompt_id:
-                    self.prompt_ids[t.prompt_id] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -686,6 +642,12 @@ class _StepResult:
     export_s: float
     tokens: int
     reward_mean: float
+
+
+def _raise_if_damaged(path: str | Path) -> None:
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise CheckpointError(f"{Path(path).resolve()}: {problem}")
 
 
 async def _next_item(iterator: AsyncIterator[_T]) -> _T | object:

@@ -7,10 +7,11 @@ worker thread so the event loop stays responsive while it computes.
 from __future__ import annotations
 
 import logging
+import os
 from collections import defaultdict
-from collections.abc import Iterator
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -32,7 +33,7 @@ from ppo_trainer.schedule import make_scheduler
 if TYPE_CHECKING:
     from ppo_trainer.distributed import DataParallel, GroupShard
 
-__all__ = ["PolicyUpdater", "export_weights"]
+__all__ = ["PolicyUpdater", "export_weights", "use_deterministic_torch"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,8 @@ class PolicyUpdater:
             min_ratio=config.min_lr_ratio,
         )
         self.generator = torch.Generator().manual_seed(config.seed)
+        if config.deterministic:
+            use_deterministic_torch(config.seed)
         if ref_model is not None:
             ref_model.requires_grad_(False)
 
@@ -116,87 +119,21 @@ class PolicyUpdater:
     def step(self, batch: PackedBatch | None, shard: GroupShard | None = None) -> dict[str, float]:
         """One trainer step on `batch`: `ppo_epochs` x `num_minibatches` optimizer steps.
 
+        One process is the world-size-1 case of data parallel: `batch` is the whole batch.
         With `data_parallel`, `batch` is this rank's shard (None if it holds no rows) and
         `shard` says where it sits in the global batch; every rank must call `step` (it is
         collective) and all compute the update one process would on the whole batch.
         """
-        if self.data_parallel is not None:
-            if shard is None:
-                raise ValueError("a data-parallel step needs the GroupShard of its batch")
-            return self._step_dp(batch, shard)
-        if batch is None:
-            raise ValueError("step() needs a batch")
-        cfg = self.config
-        self.model.train()
-        gae = self.value_head is not None
-        # With a single update per batch the current weights *are* the proximal policy, so
-        # the extra no-grad forward is skipped and logp.detach() is used instead. GAE needs
-        # the values before any update, so it always makes that pass (logits come free).
-        recompute_prox = cfg.updates_per_step > 1
-        use_ref = self.ref_model is not None and cfg.kl_coef != 0.0
-        out: dict[str, float] = {}
-        prox = None
-        if recompute_prox or gae:
-            first_logp, values = self._pre_pass(batch)
-            prox = first_logp if recompute_prox else None
-            out.update(_behav_diff(*_behav_diff_sums(first_logp, batch)))
-        ref = self._logprobs(self.ref_model, batch) if use_ref and self.ref_model else None
-        batch = batch.with_logprobs(prox_logp=prox, ref_logp=ref)
-        if gae:
-            assert values is not None
-            batch = self._with_gae(batch, values)
-
-        sums: dict[str, float] = defaultdict(float)
-        token_total = 0.0
-        losses: list[float] = []
-        vf_losses: list[float] = []
-        grad_norms: list[float] = []
-        is_weight_max = 0.0
-        diff_sum, diff_count = 0.0, 0.0
-        lr = self.optimizer.param_groups[0]["lr"]
-        for epoch in range(cfg.ppo_epochs):
-            order = torch.randperm(batch.size, generator=self.generator)
-            for rows in _chunks(order, cfg.num_minibatches):
-                minibatch = batch.select(rows)
-                n_tok = float(minibatch.response_mask.sum().item())
-                n_seq = float(minibatch.size)
-                mb_loss = mb_vf_loss = 0.0
-                for micro_rows in _chunks(torch.arange(minibatch.size), cfg.grad_accum):
-                    micro = minibatch.select(micro_rows)
-                    loss, metrics, tokens, logp = self._micro_loss(micro, n_tok, n_seq)
-                    loss.backward()
-                    mb_loss += float(loss.item())
-                    mb_vf_loss += metrics.pop("value_loss", 0.0)
-                    token_total += tokens
-                    if not recompute_prox and not gae and epoch == 0:
-                        # single update: these forwards all precede the optimizer step
-                        d_sum, d_count = _behav_diff_sums(logp, micro)
-                        diff_sum, diff_count = diff_sum + d_sum, diff_count + d_count
-                    for key, value in metrics.items():
-                        if key == "is_weight_max":
-                            is_weight_max = max(is_weight_max, value)
-                        else:
-                            sums[key] += value * tokens
-                max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                losses.append(mb_loss)
-                vf_losses.append(mb_vf_loss)
-                grad_norms.append(float(grad_norm))
-        self.scheduler.step()
-
-        out.update(_behav_diff(diff_sum, diff_count))
-        out.update(
-            {f"ppo/{k}": sums[k] / max(token_total, 1.0) for k in _TOKEN_METRICS if k in sums}
-        )
-        out["ppo/loss"] = sum(losses) / len(losses)
-        if gae:
-            out["ppo/value_loss"] = sum(vf_losses) / len(vf_losses)
-        out["ppo/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["ppo/is_weight_max"] = is_weight_max
-        out["trainer/lr"] = float(lr)
-        return out
+        if self.data_parallel is None:
+            if batch is None:
+                raise ValueError("step() needs a batch")
+            return self._step(batch, _RowLayout(rank=0, rank_rows=(batch.size,)))
+        if shard is None:
+            raise ValueError("a data-parallel step needs the GroupShard of its batch")
+        local_rows = 0 if batch is None else batch.size
+        if local_rows != shard.rows:
+            raise ValueError(f"batch has {local_rows} rows, shard says {shard.rows}")
+        return self._step(batch, _RowLayout(rank=shard.rank, rank_rows=shard.rank_rows))
 
     def export_weights(self) -> dict[str, torch.Tensor] | None:
         """The policy's weights (never the value head): what the inference engine loads.
@@ -206,124 +143,136 @@ class PolicyUpdater:
             return self.data_parallel.full_state_dict(self.model)
         return export_weights(self.model)
 
-    # -- data parallel ------------------------------------------------------------------
+    # -- the step -----------------------------------------------------------------------
 
-    def _step_dp(self, batch: PackedBatch | None, shard: GroupShard) -> dict[str, float]:
-        """`step` on this rank's shard; collectives make it equal one process's step.
+    @property
+    def _collectives(self) -> _Collectives:
+        return self.data_parallel if self.data_parallel is not None else _ONE_PROCESS
+
+    def _step(self, batch: PackedBatch | None, layout: _RowLayout) -> dict[str, float]:
+        """`step` on this rank's rows; collectives make it equal one process's step.
 
         The minibatch permutation is drawn over the global rows with the shared seeded
         generator, so every optimizer step covers the same sequences as in one process;
         each rank takes the rows of each minibatch that it holds, divides its loss by the
         minibatch's global token / sequence counts, and the gradients are summed.
         """
-        dp = self.data_parallel
-        assert dp is not None
-        cfg = self.config
-        local_rows = 0 if batch is None else batch.size
-        if local_rows != shard.rows:
-            raise ValueError(f"batch has {local_rows} rows, shard says {shard.rows}")
         self.model.train()
-        gae = self.value_head is not None
-        recompute_prox = cfg.updates_per_step > 1
-        use_ref = self.ref_model is not None and cfg.kl_coef != 0.0
-        fsdp = dp.strategy == "fsdp2"
-        total = shard.total_rows
-        starts = [sum(shard.rank_rows[:r]) for r in range(shard.world_size)]
-        bounds = [(a, a + n) for a, n in zip(starts, shard.rank_rows, strict=True)]
-        lo, hi = bounds[shard.rank]
+        totals = _StepTotals()
+        batch, row_tokens = self._prepare(batch, layout, totals)
+        lr = self.optimizer.param_groups[0]["lr"]
+        for epoch in range(self.config.ppo_epochs):
+            order = torch.randperm(layout.total_rows, generator=self.generator)
+            for rows in _chunks(order, self.config.num_minibatches):
+                self._minibatch_update(batch, layout, rows, row_tokens, epoch, totals)
+        self.scheduler.step()
+        out = self._reduce_metrics(totals)
+        out["trainer/lr"] = float(lr)
+        return out
 
-        diff_sum, diff_count = 0.0, 0.0
+    def _prepare(
+        self, batch: PackedBatch | None, layout: _RowLayout, totals: _StepTotals
+    ) -> tuple[PackedBatch | None, torch.Tensor]:
+        """Proximal and reference log-probs, GAE advantages, and every global row's
+        response-token count (the minibatch loss denominators are global)."""
+        cfg = self.config
+        gae = self.value_head is not None
+        # With a single update per batch the current weights *are* the proximal policy, so
+        # the extra no-grad forward is skipped and logp.detach() is used instead. GAE needs
+        # the values before any update, so it always makes that pass (logits come free).
+        recompute_prox = cfg.updates_per_step > 1
         prox = values = None
         if recompute_prox or gae:
-            first_logp, values = self._pre_pass_dp(batch, shard)
+            first_logp, values = self._pre_pass(batch, layout)
             prox = first_logp if recompute_prox else None
             if batch is not None and first_logp is not None:
-                diff_sum, diff_count = _behav_diff_sums(first_logp, batch)
+                totals.add_behav_diff(*_behav_diff_sums(first_logp, batch))
         if batch is not None:
+            use_ref = self.ref_model is not None and cfg.kl_coef != 0.0
             ref = self._logprobs(self.ref_model, batch) if use_ref and self.ref_model else None
             batch = batch.with_logprobs(prox_logp=prox, ref_logp=ref)
         if gae:
-            batch = self._with_gae_dp(batch, values)
-        # Response tokens of every global row: the minibatch denominators are global.
-        row_tokens = torch.zeros(total, dtype=torch.float64)
+            batch = self._with_gae(batch, values)
+        row_tokens = torch.zeros(layout.total_rows, dtype=torch.float64)
         if batch is not None:
-            row_tokens[lo:hi] = batch.response_mask.sum(dim=1).to(torch.float64)
-        dp.all_reduce(row_tokens)
+            row_tokens[layout.lo : layout.hi] = batch.response_mask.sum(dim=1).to(torch.float64)
+        self._collectives.all_reduce(row_tokens)
+        return batch, row_tokens
 
-        sums: dict[str, float] = defaultdict(float)
-        token_total = 0.0
-        losses: list[float] = []
-        vf_losses: list[float] = []
-        grad_norms: list[float] = []
-        is_weight_max = 0.0
-        lr = self.optimizer.param_groups[0]["lr"]
+    def _minibatch_update(
+        self,
+        batch: PackedBatch | None,
+        layout: _RowLayout,
+        rows: torch.Tensor,
+        row_tokens: torch.Tensor,
+        epoch: int,
+        totals: _StepTotals,
+    ) -> None:
+        """Forward/backward this rank's rows of one minibatch, then one optimizer step."""
+        cfg = self.config
+        n_tok = float(row_tokens[rows].sum().item())
+        n_seq = float(len(rows))
+        mine = rows[(rows >= layout.lo) & (rows < layout.hi)] - layout.lo
+        micro_rows = list(_chunks(torch.arange(len(mine)), cfg.grad_accum))
+        passes = len(micro_rows)
+        if self._collectives.strategy == "fsdp2":  # every rank runs as many passes as the busiest
+            passes = max(
+                min(cfg.grad_accum, int(((rows >= a) & (rows < b)).sum())) for a, b in layout.bounds
+            )
+        minibatch = batch.select(mine) if batch is not None and len(mine) else None
+        # Single update without GAE: these forwards all precede the optimizer step, so they
+        # measure the behaviour / trainer log-prob gap.
+        measure_diff = cfg.updates_per_step == 1 and self.value_head is None and epoch == 0
+        mb_loss = mb_vf_loss = 0.0
+        for i in range(passes):
+            if minibatch is None or i >= len(micro_rows):
+                self._dummy_pass(batch, grad=True)
+                continue
+            micro = minibatch.select(micro_rows[i])
+            loss, metrics, tokens, logp = self._micro_loss(micro, n_tok, n_seq)
+            loss.backward()
+            mb_loss += float(loss.item())
+            mb_vf_loss += metrics.pop("value_loss", 0.0)
+            totals.add_micro(metrics, tokens)
+            if measure_diff:
+                totals.add_behav_diff(*_behav_diff_sums(logp, micro))
+        collectives = self._collectives
+        collectives.sync_grads(self.params)
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
-        for epoch in range(cfg.ppo_epochs):
-            order = torch.randperm(total, generator=self.generator)
-            for rows in _chunks(order, cfg.num_minibatches):
-                n_tok = float(row_tokens[rows].sum().item())
-                n_seq = float(len(rows))
-                mine = rows[(rows >= lo) & (rows < hi)] - lo
-                micro_rows = list(_chunks(torch.arange(len(mine)), cfg.grad_accum))
-                passes = len(micro_rows)
-                if fsdp:  # every rank runs as many passes as the busiest one
-                    passes = max(
-                        min(cfg.grad_accum, int(((rows >= a) & (rows < b)).sum()))
-                        for a, b in bounds
-                    )
-                minibatch = batch.select(mine) if batch is not None and len(mine) else None
-                mb_loss = mb_vf_loss = 0.0
-                for i in range(passes):
-                    if minibatch is None or i >= len(micro_rows):
-                        self._dummy_pass(batch, grad=True)
-                        continue
-                    micro = minibatch.select(micro_rows[i])
-                    loss, metrics, tokens, logp = self._micro_loss(micro, n_tok, n_seq)
-                    loss.backward()
-                    mb_loss += float(loss.item())
-                    mb_vf_loss += metrics.pop("value_loss", 0.0)
-                    token_total += tokens
-                    if not recompute_prox and not gae and epoch == 0:
-                        d_sum, d_count = _behav_diff_sums(logp, micro)
-                        diff_sum, diff_count = diff_sum + d_sum, diff_count + d_count
-                    for key, value in metrics.items():
-                        if key == "is_weight_max":
-                            is_weight_max = max(is_weight_max, value)
-                        else:
-                            sums[key] += value * tokens
-                dp.sync_grads(self.params)
-                grad_norms.append(dp.clip_grad_norm(self.params, max_norm))
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                losses.append(mb_loss)
-                vf_losses.append(mb_vf_loss)
-        self.scheduler.step()
+        totals.grad_norms.append(collectives.clip_grad_norm(self.params, max_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals.losses.append(mb_loss)
+        totals.vf_losses.append(mb_vf_loss)
 
-        # One all-reduce for every summed metric (presence flags say which were measured).
+    def _reduce_metrics(self, totals: _StepTotals) -> dict[str, float]:
+        """The step's metrics over every rank: one all-reduce for every summed metric
+        (presence flags say which were measured) and one for the peak IS weight."""
+        collectives = self._collectives
         keys = list(_TOKEN_METRICS)
+        n_keys, n_mb = len(keys), len(totals.losses)
         packed = torch.tensor(
             [
-                token_total,
-                diff_sum,
-                diff_count,
-                *(sums.get(k, 0.0) for k in keys),
-                *(1.0 if k in sums else 0.0 for k in keys),
-                *losses,
-                *vf_losses,
+                totals.token_total,
+                totals.diff_sum,
+                totals.diff_count,
+                *(totals.sums.get(k, 0.0) for k in keys),
+                *(1.0 if k in totals.sums else 0.0 for k in keys),
+                *totals.losses,
+                *totals.vf_losses,
             ],
             dtype=torch.float64,
         )
-        dp.all_reduce(packed)
-        peak = dp.all_reduce(torch.tensor([is_weight_max], dtype=torch.float64), op="max")
-        values_list = packed.tolist()
-        token_total, diff_sum, diff_count = values_list[:3]
-        n_keys, n_mb = len(keys), len(losses)
-        key_sums = values_list[3 : 3 + n_keys]
-        present = values_list[3 + n_keys : 3 + 2 * n_keys]
-        losses = values_list[3 + 2 * n_keys : 3 + 2 * n_keys + n_mb]
-        vf_losses = values_list[3 + 2 * n_keys + n_mb :]
-        out: dict[str, float] = {}
-        out.update(_behav_diff(diff_sum, diff_count))
+        values = collectives.all_reduce(packed).tolist()
+        peak = collectives.all_reduce(
+            torch.tensor([totals.is_weight_max], dtype=torch.float64), op="max"
+        )
+        token_total, diff_sum, diff_count = values[:3]
+        key_sums = values[3 : 3 + n_keys]
+        present = values[3 + n_keys : 3 + 2 * n_keys]
+        losses = values[3 + 2 * n_keys : 3 + 2 * n_keys + n_mb]
+        vf_losses = values[3 + 2 * n_keys + n_mb :]
+        out = _behav_diff(diff_sum, diff_count)
         out.update(
             {
                 f"ppo/{k}": total_k / max(token_total, 1.0)
@@ -332,26 +281,25 @@ class PolicyUpdater:
             }
         )
         out["ppo/loss"] = sum(losses) / len(losses)
-        if gae:
+        if self.value_head is not None:
             out["ppo/value_loss"] = sum(vf_losses) / len(vf_losses)
-        out["ppo/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["ppo/grad_norm"] = sum(totals.grad_norms) / len(totals.grad_norms)
         out["ppo/is_weight_max"] = float(peak[0])
-        out["trainer/lr"] = float(lr)
         return out
 
     @torch.no_grad()
-    def _pre_pass_dp(
-        self, batch: PackedBatch | None, shard: GroupShard
+    def _pre_pass(
+        self, batch: PackedBatch | None, layout: _RowLayout
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """`_pre_pass` on this rank's rows; with fsdp2 padded with dummy forwards so every
-        rank runs as many (each forward all-gathers the parameters)."""
-        assert self.data_parallel is not None
+        """The policy's log-probs (and values, with a value head) of this rank's rows before
+        any update, no grad; [B, L-1] each, on the CPU. With fsdp2 padded with dummy
+        forwards so every rank runs as many (each forward all-gathers the parameters)."""
         micro_batches = self.config.num_minibatches * self.config.grad_accum
-        micro_size = max(1, -(-max(shard.rank_rows) // micro_batches))
-        own = -(-shard.rows // micro_size)
+        micro_size = max(1, -(-max(layout.rank_rows) // micro_batches))
+        own = -(-layout.rows // micro_size)
         passes = own
-        if self.data_parallel.strategy == "fsdp2":
-            passes = max(-(-n // micro_size) for n in shard.rank_rows)
+        if self._collectives.strategy == "fsdp2":
+            passes = max(-(-n // micro_size) for n in layout.rank_rows)
         result: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         if batch is not None:
             result = self._no_grad_pass(
@@ -361,16 +309,15 @@ class PolicyUpdater:
             self._dummy_pass(batch, grad=False)
         return result
 
-    def _with_gae_dp(self, batch: PackedBatch | None, values: torch.Tensor | None) -> PackedBatch:
-        """`_with_gae` with the whitening statistics taken over every rank's tokens."""
-        from ppo_trainer.distributed import masked_whiten_global
-
-        assert self.data_parallel is not None
+    def _with_gae(self, batch: PackedBatch | None, values: torch.Tensor | None) -> PackedBatch:
+        """Token-level advantages, returns and old values from the pre-update values; the
+        whitening statistics are taken over every rank's tokens."""
         cfg = self.config
+        whiten = self._whiten
         if batch is None:
             if cfg.whiten_advantages:  # take part in the collective with no tokens
                 empty = torch.zeros(0, 1)
-                masked_whiten_global(empty, empty, self.data_parallel)
+                whiten(empty, empty)
             return batch  # type: ignore[return-value]
         assert values is not None
         mask = batch.response_mask
@@ -379,8 +326,15 @@ class PolicyUpdater:
             batch.token_rewards(), values, mask, gamma=cfg.gamma, lam=cfg.lam
         )
         if cfg.whiten_advantages:
-            advantages = masked_whiten_global(advantages, mask, self.data_parallel)
+            advantages = whiten(advantages, mask)
         return replace(batch, advantages=advantages, returns=returns, old_values=values)
+
+    def _whiten(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.data_parallel is None:
+            return masked_whiten(values, mask)
+        from ppo_trainer.distributed import masked_whiten_global
+
+        return masked_whiten_global(values, mask, self.data_parallel)
 
     def _dummy_pass(self, batch: PackedBatch | None, *, grad: bool) -> None:
         """A forward (and zero-weighted backward) that changes nothing: keeps an fsdp2 rank
@@ -397,18 +351,6 @@ class PolicyUpdater:
                 (logits.sum() * 0.0).backward()
 
     # -- internals ----------------------------------------------------------------------
-
-    def _with_gae(self, batch: PackedBatch, values: torch.Tensor) -> PackedBatch:
-        """Token-level advantages, returns and old values from the pre-update values."""
-        cfg = self.config
-        mask = batch.response_mask
-        values = torch.where(mask.bool(), values, 0.0)
-        advantages, returns = gae_advantages(
-            batch.token_rewards(), values, mask, gamma=cfg.gamma, lam=cfg.lam
-        )
-        if cfg.whiten_advantages:
-            advantages = masked_whiten(advantages, mask)
-        return replace(batch, advantages=advantages, returns=returns, old_values=values)
 
     def _micro_loss(
         self, micro: PackedBatch, n_tok: float, n_seq: float
@@ -477,12 +419,6 @@ class PolicyUpdater:
         assert self.value_head is not None
         return self.value_head(hidden[:, :-1].to(torch.float32)).squeeze(-1)
 
-    @torch.no_grad()
-    def _pre_pass(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The policy's log-probs (and values, with a value head) of `batch` before any
-        update, no grad; [B, L-1] each, on the CPU."""
-        return self._no_grad_pass(self.model, batch, values=self.value_head is not None)
-
     def _logprobs(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
         """Token log-probs of `batch` under `model` (no grad), [B, L-1] on the CPU."""
         return self._no_grad_pass(model, batch, values=False)[0]
@@ -525,6 +461,94 @@ class PolicyUpdater:
             return model(**inputs).logits, None
         out = model(**inputs, output_hidden_states=True)
         return out.logits, out.hidden_states[-1]
+
+
+class _Collectives(Protocol):
+    """What a step needs from its ranks: `DataParallel`, or `_OneProcess` for one process."""
+
+    @property
+    def strategy(self) -> str: ...
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor: ...
+
+    def sync_grads(self, params: Sequence[torch.nn.Parameter]) -> None: ...
+
+    def clip_grad_norm(self, params: Sequence[torch.nn.Parameter], max_norm: float) -> float: ...
+
+
+class _OneProcess:
+    """The collectives of a world of one: every reduction is the identity."""
+
+    strategy = "single"
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return tensor
+
+    def sync_grads(self, params: Sequence[torch.nn.Parameter]) -> None:
+        return None
+
+    def clip_grad_norm(self, params: Sequence[torch.nn.Parameter], max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+_ONE_PROCESS = _OneProcess()
+
+
+@dataclass(frozen=True, slots=True)
+class _RowLayout:
+    """Where this rank's rows sit among the step's global rows (see `GroupShard`)."""
+
+    rank: int
+    rank_rows: tuple[int, ...]
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.rank_rows)
+
+    @property
+    def rows(self) -> int:
+        return self.rank_rows[self.rank]
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        """[start, end) of every rank's rows."""
+        starts = [sum(self.rank_rows[:r]) for r in range(len(self.rank_rows))]
+        return [(a, a + n) for a, n in zip(starts, self.rank_rows, strict=True)]
+
+    @property
+    def lo(self) -> int:
+        return sum(self.rank_rows[: self.rank])
+
+    @property
+    def hi(self) -> int:
+        return self.lo + self.rows
+
+
+@dataclass(slots=True)
+class _StepTotals:
+    """This rank's running sums over a step's micro-batches (reduced at the end)."""
+
+    sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    token_total: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    vf_losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    is_weight_max: float = 0.0
+    diff_sum: float = 0.0
+    diff_count: float = 0.0
+
+    def add_behav_diff(self, total: float, count: float) -> None:
+        self.diff_sum += total
+        self.diff_count += count
+
+    def add_micro(self, metrics: dict[str, float], tokens: float) -> None:
+        """Token-weighted sums of a micro-batch's metrics (the peak IS weight as a max)."""
+        self.token_total += tokens
+        for key, value in metrics.items():
+            if key == "is_weight_max":
+                self.is_weight_max = max(self.is_weight_max, value)
+            else:
+                self.sums[key] += value * tokens
 
 
 def _make_value_head(model: torch.nn.Module, device: torch.device) -> torch.nn.Linear:
@@ -580,6 +604,15 @@ def export_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         seen.add(key)
         weights[name] = tensor.detach().to("cpu", copy=True)
     return weights
+
+
+def use_deterministic_torch(seed: int) -> None:
+    """Deterministic torch kernels where they exist (a warning where not) and a seeded
+    global RNG: with the same data, two runs of a step give the same numbers. Process-wide."""
+    if torch.cuda.is_available():  # cuBLAS needs a fixed workspace to be deterministic
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.manual_seed(seed)
 
 
 def _chunks(index: torch.Tensor, parts: int) -> Iterator[torch.Tensor]:
