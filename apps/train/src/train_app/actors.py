@@ -127,6 +127,7 @@ class RolloutActor:
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, plan.model_dir)
         # A vision task writes its PNG dataset when built: file work, so off the loop.
         task = await asyncio.to_thread(make_task, plan.task, tokenizer, **plan.task_options)
+        self._task_metrics = getattr(task, "metrics", dict)  # e.g. reward/<component>
         engine_config = plan.engine
         if is_vision_task(plan.task) and hasattr(engine_config, "image_token_id"):
             # The task's prompts carry expanded image placeholders; the engine collapses them.
@@ -245,6 +246,7 @@ class RolloutActor:
     async def metrics(self) -> dict[str, Any]:
         metrics = dict(self._rollouter.metrics())
         metrics.update(self._lag.metrics(prefix="event_loop"))
+        metrics.update(self._task_metrics())
         stats = self._rollouter.stats()
         metrics["rollout/failed"] = float(stats.failed)
         if self._plan.restore is not None:  # what this replica continued from the checkpoint

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from train_app.config import TrainConfig, check_config_file, check_resume_dir
+from train_app.tasks.spec import check_task_inputs
 
 __all__ = ["app", "main"]
 
@@ -45,6 +46,7 @@ def train(
     console = Console()
     try:
         config.validate()
+        check_task_inputs(config)  # reads the dataset, imports the rewards: before Ray
     except ValueError as exc:
         return _bad_configuration(exc)
     try:

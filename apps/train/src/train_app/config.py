@@ -39,7 +39,44 @@ class TrainConfig:
     task: str = "repeat"
     """Built-in task: `repeat` (prompt `d*k=`, answer d written k times; text), `shapes`
     (name the colour of a drawn shape; vision, a tiny Qwen2-VL) or `tool` (two turns: call a
-    lookup tool, then answer with its result; multi-turn)."""
+    lookup tool, then answer with its result; multi-turn), or any task an installed package
+    registers under the entry-point group `asyncrl.tasks`."""
+
+    dataset: Path | None = None
+    """Train on a local dataset file instead of `--task`: JSONL, JSON, Parquet or a
+    `datasets.save_to_disk` directory (needs the app's `datasets` extra) scored by `--reward`."""
+
+    prompt_field: str = "prompt"
+    """`--dataset` column of the prompt: a string, or a chat `messages` list."""
+
+    answer_field: str = "answer"
+    """`--dataset` column of the answer given to the reward (may be absent from the file)."""
+
+    chat_template: str = "auto"
+    """`--dataset`/`--env` prompt formatting: `auto` (the tokenizer's chat template if it has
+    one, else the plain text), `none` (plain text) or a Jinja template FILE."""
+
+    system_prompt: str | None = None
+    """A system message put before every `--dataset`/`--env` prompt."""
+
+    epochs: int | None = None
+    """Passes over `--dataset` at most (each epoch shuffled by the seed); unset: as many as
+    `--steps` needs. `--steps x --batch-size` must fit in them."""
+
+    reward: tuple[str, ...] = ()
+    """Reward function of `--dataset`, `MODULE:FUNCTION` or `path/to/file.py:FUNCTION`;
+    repeat the flag for several (their weighted sum). Signature and return value: see
+    apps/train/README.md (the completion text, prompt, answer, metadata; a float or a dict)."""
+
+    reward_weights: tuple[float, ...] = ()
+    """One weight per `--reward`, in order (default: 1 each)."""
+
+    reward_timeout: float = 30.0
+    """Seconds a reward call may take; a slower call is a failed sample."""
+
+    env: str | None = None
+    """An environment library instead of `--task`: `reasoning-gym:NAME[,NAME...]` (needs the
+    app's `reasoning-gym` extra; scored by reasoning-gym's own scorer)."""
 
     corrupt_images: float = 0.0
     """Vision tasks: fraction of dataset images written corrupt or missing (fault drills)."""
@@ -304,7 +341,11 @@ def to_toml(config: TrainConfig) -> str:
         value = getattr(config, field.name)
         if value is None:
             continue
-        if isinstance(value, bool):
+        if isinstance(value, tuple):
+            if not value:
+                continue
+            text = "[" + ", ".join(_toml_scalar(item) for item in value) + "]"
+        elif isinstance(value, bool):
             text = "true" if value else "false"
         elif isinstance(value, int | float):
             text = repr(value)
@@ -314,6 +355,12 @@ def to_toml(config: TrainConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _toml_scalar(value: Any) -> str:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def load_toml(path: Path) -> dict[str, Any]:
     """Read a run's TOML into keyword arguments of `TrainConfig` (unknown keys are an error)."""
     data = tomllib.loads(Path(path).read_text())
@@ -321,7 +368,10 @@ def load_toml(path: Path) -> dict[str, Any]:
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise ValueError(f"{path}: unknown option(s) {unknown}")
-    for key in ("runs_dir", "model", "resume"):
+    for key in ("reward", "reward_weights"):
+        if key in data:
+            data[key] = tuple(data[key])
+    for key in ("runs_dir", "model", "resume", "dataset"):
         if key in data:
             data[key] = Path(data[key])
     return data

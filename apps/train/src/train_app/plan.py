@@ -40,6 +40,7 @@ from rollout_engine.vllm_engine import VLLMEngineConfig
 
 from train_app.config import TrainConfig, parse_resources
 from train_app.inflight import QueuedGroups, deal_count, redistribute, restored_prompt_ids
+from train_app.tasks.spec import task_name, task_options
 
 __all__ = [
     "DP_STRATEGY",
@@ -265,8 +266,8 @@ def plan(
             replica=i,
             replicas=len(shares),
             model_dir=str(model_dir),
-            task=config.task,
-            task_options=_task_options(config, run_dir),
+            task=task_name(config),
+            task_options=task_options(config, run_dir, i, len(shares)),
             prompt_seed=config.seed * 1000 + i,
             consumed_prompt_ids=skip,
             rollout=RolloutConfig(
@@ -341,9 +342,3 @@ def _is_vision_task(name: str) -> bool:
     from train_app.tasks import is_vision_task
 
     return is_vision_task(name)
-
-
-def _task_options(config: TrainConfig, run_dir: Path) -> dict[str, Any]:
-    if not _is_vision_task(config.task):
-        return {}
-    return {"image_dir": str(run_dir / "images"), "corrupt_fraction": config.corrupt_images}

@@ -51,4 +51,12 @@ class PromptSource:
         self._consumed = frozenset(state.get("consumed_prompt_ids", ()))
 
     def __iter__(self) -> Iterator[PromptSample]:
-        return (p for p in self._task.prompts(self._seed) if p.prompt_id not in self._consumed)
+        # A task that can skip ids before building a prompt (a dataset: no tokenizing of the
+        # rows a resume passes over) gets the set; the filter below then is a no-op for it.
+        skipping = getattr(self._task, "prompts_skipping", None)
+        stream = (
+            skipping(self._seed, self._consumed)
+            if skipping is not None
+            else self._task.prompts(self._seed)
+        )
+        return (p for p in stream if p.prompt_id not in self._consumed)
