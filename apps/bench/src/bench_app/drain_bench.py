@@ -113,7 +113,10 @@ class WaitForAllDrain:
 
     async def _group(self, sample: PromptSample) -> None:
         completions = await self._engine.generate(
-            sample.prompt_id, sample.prompt_ids, self._config.sampling, n=self._config.group_size
+            sample.prompt_id,
+            sample.prompt_token_ids,
+            self._config.sampling,
+            n=self._config.group_size,
         )
         await self._sink.put([_trajectory(sample, c) for c in completions])
         self.delivered += 1
@@ -139,7 +142,7 @@ def _trajectory(sample: PromptSample, completion: Completion) -> Trajectory:
         response_id=f"{sample.prompt_id}:0",
         group_id=sample.prompt_id,
         prompt_id=sample.prompt_id,
-        prompt_ids=sample.prompt_ids,
+        prompt_token_ids=sample.prompt_token_ids,
         response_ids=completion.token_ids,
         behaviour_logprobs=completion.logprobs,
         token_versions=completion.versions,

@@ -103,7 +103,9 @@ def make_prompts(tokenizer: Any, count: int) -> list[Any]:
     from rollout_engine import PromptSample
 
     return [
-        PromptSample(prompt_id=f"p{i}", prompt_ids=tokenizer.encode(f"{i % 97}+{(7 * i) % 89}="))
+        PromptSample(
+            prompt_id=f"p{i}", prompt_token_ids=tokenizer.encode(f"{i % 97}+{(7 * i) % 89}=")
+        )
         for i in range(count)
     ]
 
@@ -128,7 +130,7 @@ async def run_direct(engine: Any, prompts: list[Any], workload: Workload) -> tup
     async def one(prompt: Any) -> int:
         async with limit:
             tokens = 0
-            request = {"prompt_token_ids": list(prompt.prompt_ids)}
+            request = {"prompt_token_ids": list(prompt.prompt_token_ids)}
             async for output in llm.generate(request, params, f"direct-{uuid.uuid4().hex}"):
                 tokens = sum(len(completion.token_ids) for completion in output.outputs)
             return tokens

@@ -127,7 +127,7 @@ def _groups(setup: _Setup, count: int, seed: int) -> list[list[Trajectory]]:
                     response_id=f"{g}/{i}",
                     group_id=str(g),
                     prompt_id=f"p{g}",
-                    prompt_ids=prompt,
+                    prompt_token_ids=prompt,
                     response_ids=[rng.randrange(3, setup.vocab) for _ in range(length)],
                     behaviour_logprobs=[-7.0 + rng.random() for _ in range(length)],
                     token_versions=[0] * length,
@@ -141,7 +141,7 @@ def _groups(setup: _Setup, count: int, seed: int) -> list[list[Trajectory]]:
 
 
 def _tokens(groups: Sequence[list[Trajectory]]) -> int:
-    return sum(len(t.prompt_ids) + len(t.response_ids) for g in groups for t in g)
+    return sum(len(t.prompt_token_ids) + len(t.response_ids) for g in groups for t in g)
 
 
 # -- the minimal hand-written loop ---------------------------------------------------------
@@ -156,15 +156,15 @@ def _minimal_step(
     for g in groups:
         r = torch.tensor([t.reward for t in g])
         advs.extend(((r - r.mean()) / (r.std() + 1e-6)).tolist())
-    lens = torch.tensor([len(t.prompt_ids) + len(t.response_ids) for t in trajs])
+    lens = torch.tensor([len(t.prompt_token_ids) + len(t.response_ids) for t in trajs])
     width = int(lens.max())
     ids = torch.zeros(len(trajs), width, dtype=torch.long)
     attn = torch.zeros(len(trajs), width, dtype=torch.long)
     mask = torch.zeros(len(trajs), width - 1)
     behav = torch.zeros(len(trajs), width - 1)
     for row, t in enumerate(trajs):
-        p, n = len(t.prompt_ids), len(t.response_ids)
-        ids[row, : p + n] = torch.tensor(t.prompt_ids + t.response_ids)
+        p, n = len(t.prompt_token_ids), len(t.response_ids)
+        ids[row, : p + n] = torch.tensor(t.prompt_token_ids + t.response_ids)
         attn[row, : p + n] = 1
         mask[row, p - 1 : p - 1 + n] = 1
         behav[row, p - 1 : p - 1 + n] = torch.tensor(t.behaviour_logprobs)

@@ -251,7 +251,7 @@ async def _prompts(replica: int, units: int) -> AsyncIterator[PromptSample]:
     ids = [1 + (j % 97) for j in range(units)]
     index = 0
     while True:
-        yield PromptSample(prompt_id=f"r{replica}p{index}", prompt_ids=ids)
+        yield PromptSample(prompt_id=f"r{replica}p{index}", prompt_token_ids=ids)
         index += 1
 
 
@@ -323,7 +323,7 @@ async def simulate_async(config: SimConfig, *, keep_events: int = 0) -> SimResul
     rollout_config = RolloutConfig(
         group_size=config.group_size,
         max_concurrency=config.max_concurrency,
-        batch_size=shares[0],
+        groups_per_step=shares[0],
         sync_every=sync_every,
         max_staleness=k,
         pacing=config.pacing,
@@ -353,7 +353,7 @@ async def simulate_async(config: SimConfig, *, keep_events: int = 0) -> SimResul
             _prompts(index, prompt_units),
             sink,
             _Reward(),
-            dataclasses.replace(rollout_config, batch_size=shares[index]),
+            dataclasses.replace(rollout_config, groups_per_step=shares[index]),
             clock=loop.time,
         )
         handles.append(Replica(rollouter, queue, index, simulated))

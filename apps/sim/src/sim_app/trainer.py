@@ -265,7 +265,7 @@ class SimTrainer:
                 )
             staleness.extend(group_staleness)
             for t in group:
-                length = (len(t.prompt_ids) + len(t.response_ids)) * unit
+                length = (len(t.prompt_token_ids) + len(t.response_ids)) * unit
                 tokens += length
                 sq_tokens += length * length
             self.samples += len(group) * self._scale

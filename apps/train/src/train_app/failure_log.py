@@ -8,7 +8,7 @@ are on disk (page cache) even if the actor process is killed a moment later.
 
 Several rollout replicas append to the same file: each batch is one `write()` on an
 `O_APPEND` descriptor, so lines of different replicas never interleave. Each line is a JSON
-object: the `FailedSample` fields plus `replica` and `time` (`time.time()` when it was
+object: the `FailedGroup` fields plus `replica` and `time` (`time.time()` when it was
 recorded). A resumed run appends to the same file.
 
 The log is capped: when `failures.jsonl` would pass `max_bytes`, it is renamed to
@@ -87,7 +87,7 @@ class FailureJournal:
         return self._written
 
     def append(self, failure: Any) -> None:
-        """Queue one failure (a `FailedSample` or any msgspec struct / dict) for writing."""
+        """Queue one failure (a `FailedGroup` or any msgspec struct / dict) for writing."""
         record = msgspec.to_builtins(failure)
         if not isinstance(record, dict):
             record = {"failure": record}

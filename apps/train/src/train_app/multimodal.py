@@ -14,9 +14,9 @@ The pieces, in the order a sample meets them (the task itself is `tasks/shapes.p
    (`VLLMEngineConfig.image_token_id`): vLLM wants ONE `<|image_pad|>` per image in a
    token-id prompt and expands it itself (given expanded ids it silently expands the first
    pad again and treats the rest as text), so the engine collapses each image's run before
-   calling vLLM. Expansion thus happens once, in the task,
-   and `Trajectory.prompt_ids` (= `PromptSample.prompt_ids`) is exactly what the trainer feeds
-   the model.
+   calling vLLM. Expansion thus happens once, in the task, and
+   `Trajectory.prompt_token_ids` (= `PromptSample.prompt_token_ids`) is exactly what the
+   trainer feeds the model.
 4. `VisionInputsFn` (a `ppo_trainer.MultiModalInputsFn`) rebuilds `pixel_values` and
    `image_grid_thw` from a trajectory's `MultiModalRef` with the same preprocessing and the
    saved processor, in the trainer's worker thread.

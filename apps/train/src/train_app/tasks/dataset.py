@@ -193,7 +193,9 @@ class DatasetTask:
         extra = {k: _metadata_text(v) for k, v in row.items() if k not in self._fields()}
         return PromptSample(
             prompt_id=f"e{epoch}-r{index}",
-            prompt_ids=format_prompt(self.tokenizer, prompt, self._template, self.system_prompt),
+            prompt_token_ids=format_prompt(
+                self.tokenizer, prompt, self._template, self.system_prompt
+            ),
             answer="" if answer is None else str(answer),
             metadata=extra,
         )

@@ -75,7 +75,7 @@ class ReasoningGymTask:
             entry = self._datasets[name][item]
             yield PromptSample(
                 prompt_id=f"s{seed}-{index}",
-                prompt_ids=format_prompt(
+                prompt_token_ids=format_prompt(
                     self.tokenizer, entry["question"], self._template, self.system_prompt
                 ),
                 answer=str(entry["answer"]),

@@ -35,7 +35,7 @@ class RepeatTask:
             text = f"{digit}*{count}="
             yield PromptSample(
                 prompt_id=f"s{seed}-{index}",
-                prompt_ids=self.tokenizer.encode(text),
+                prompt_token_ids=self.tokenizer.encode(text),
                 answer=str(digit) * count,
                 metadata={"text": text},
             )

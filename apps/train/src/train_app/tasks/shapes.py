@@ -204,7 +204,7 @@ class ShapeColorTask:
             item = self.items[rng.randrange(len(self.items))]
             yield PromptSample(
                 prompt_id=f"s{seed}-{index}",
-                prompt_ids=list(self._prompt_ids),
+                prompt_token_ids=list(self._prompt_ids),
                 answer=self.answer(item),
                 metadata={"image": item.path, "color": item.color, "shape": item.shape},
                 messages=self.messages(item),

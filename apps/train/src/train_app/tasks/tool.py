@@ -87,7 +87,7 @@ class ToolTask:
             text = f"{key}?"
             yield PromptSample(
                 prompt_id=f"s{seed}-{index}",
-                prompt_ids=self.tokenizer.encode(text),
+                prompt_token_ids=self.tokenizer.encode(text),
                 answer=table[key],
                 metadata={
                     "text": text,
