@@ -79,7 +79,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A local Ray cluster every run of the module joins; yields its address. 4 CPUs: two
     rollouters, the trainer and a replacement starting while a dead one's CPU is freed."""
     import ray
-    from train_app.run import RAY_SUBREAPER, WORKER_ENV
+    from train_app.driver import RAY_SUBREAPER, WORKER_ENV
 
     if ray.is_initialized():
         ray.shutdown()

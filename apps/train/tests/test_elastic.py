@@ -2,7 +2,7 @@
 finishes every step, each prompt trained on at most once.
 
 What is real: the local Ray cluster, the queue actor, the trainer actor (`PPOTrainer` on the
-tiny Qwen2), the rollout actors and the driver's restart path (`train_app.run`), and the
+tiny Qwen2), the rollout actors and the driver's restart path (`driver.supervisor`), and the
 kill (SIGKILL of the rollout actor's process, by the pid the run records in actors.json).
 The engines are `rollout_engine.testing.FakeEngine` (random tokens, no model), as in
 `test_replicas.py`: what is tested is the restart (a new actor, the trainer's weights and
@@ -27,7 +27,7 @@ import pytest
 from ppo_trainer import read_checkpoint_meta
 from rich.console import Console
 from train_app.config import TrainConfig
-from train_app.run import WORKER_ENV, RunFailed, run
+from train_app.driver import WORKER_ENV, RunFailed, run
 from train_app.testing import fake_engines
 
 pytestmark = pytest.mark.slow

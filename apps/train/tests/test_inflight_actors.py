@@ -42,6 +42,7 @@ from rollout_engine import Trajectory as RolloutTrajectory
 from rollout_engine.testing import FakeEngineConfig
 from train_app.actors import RolloutActor
 from train_app.config import TrainConfig
+from train_app.driver import WORKER_ENV, start_local_ray
 from train_app.inflight import (
     QueuedSnapshot,
     load_inflight,
@@ -54,7 +55,6 @@ from train_app.inflight import (
     write_queued,
 )
 from train_app.plan import ResumePoint, RunPlan, plan
-from train_app.run import WORKER_ENV, _start_local_ray
 from train_app.tiny_model import build_tiny_qwen2
 from train_app.wiring import QueueBatchSource
 
@@ -71,9 +71,9 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         ray.shutdown()
     runs = tmp_path_factory.mktemp("inflight")
     env = {**WORKER_ENV, "TORCHINDUCTOR_CACHE_DIR": str(runs / ".inductor")}
-    # Ray's start is retried as the app does (`run._start_local_ray`): its raylet gives its
+    # Ray's start is retried as the app does (`start_local_ray`): its raylet gives its
     # agents a fixed time to start, which a heavily loaded 2-core machine can miss.
-    _start_local_ray(
+    start_local_ray(
         num_cpus=4,
         options={
             "log_to_driver": False,

@@ -41,6 +41,7 @@ from rollout_engine import Trajectory as RolloutTrajectory
 from rollout_engine import load_snapshot, save_snapshot
 from rollout_engine.testing import FakeEngineConfig
 from train_app.config import TrainConfig
+from train_app.driver import WORKER_ENV, run, start_local_ray
 from train_app.inflight import (
     load_inflight,
     load_queued,
@@ -49,7 +50,6 @@ from train_app.inflight import (
     write_queued,
 )
 from train_app.plan import RunPlan
-from train_app.run import WORKER_ENV, _start_local_ray, run
 from train_app.testing import fake_engines
 
 pytestmark = pytest.mark.slow
@@ -67,9 +67,9 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         ray.shutdown()
     runs = tmp_path_factory.mktemp("inflight-run")
     env = {**WORKER_ENV, "TORCHINDUCTOR_CACHE_DIR": str(runs / ".inductor")}
-    # Ray's start is retried as the app does (`run._start_local_ray`): its raylet gives its
+    # Ray's start is retried as the app does (`start_local_ray`): its raylet gives its
     # agents a fixed time to start, which a heavily loaded 2-core machine can miss.
-    _start_local_ray(
+    start_local_ray(
         num_cpus=4,
         options={
             "log_to_driver": False,

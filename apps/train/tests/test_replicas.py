@@ -25,8 +25,8 @@ import pytest
 from ppo_trainer import read_checkpoint_meta
 from rich.console import Console
 from train_app.config import TrainConfig
+from train_app.driver import WORKER_ENV, run
 from train_app.plan import RunPlan
-from train_app.run import WORKER_ENV, run
 from train_app.testing import fake_engines
 
 

@@ -24,10 +24,10 @@ import pytest
 from ppo_trainer import read_checkpoint_meta
 from rich.console import Console
 from train_app import cli
-from train_app import run as run_module
+from train_app import driver as run_module
 from train_app.config import TrainConfig
+from train_app.driver import WORKER_ENV, RunFailed, run
 from train_app.plan import DP_STRATEGY, RunPlan, plan
-from train_app.run import WORKER_ENV, RunFailed, run
 from train_app.testing import fake_engines
 
 # -- the plan (no Ray) ---------------------------------------------------------------------

@@ -110,7 +110,7 @@ class RolloutActor:
         once every engine is up: a resumed run's restored partials (oldest tokens first) then
         reach the queue ahead of any replica's new groups, so they are trained on before their
         tokens grow too stale. With `hold` its new prompts wait for `release_new_prompts()`
-        (the driver's hold across replicas, see `train_app.run._start_together`)."""
+        (the driver's hold across replicas, see `train_app.driver.startup`)."""
         from mm_preprocess import EventLoopLagMonitor
         from rollout_engine import Rollouter
         from transformers import AutoTokenizer

@@ -48,12 +48,14 @@ __all__ = [
     "ReplicaPlan",
     "ResumePoint",
     "RunPlan",
+    "StalenessBound",
     "TrainerPlan",
     "actor_options",
     "plan",
     "queue_maxsize",
     "ray_num_cpus",
     "split_batch",
+    "staleness_bound",
 ]
 
 # Context length given to vLLM: the model's own, capped (a tiny model's KV cache stays small).
@@ -72,6 +74,26 @@ DP_STRATEGY = "auto"
 # Seconds a rank waits in torch.distributed (the rendezvous, any collective) before failing;
 # the driver sees a dead rank at once and ends the run, so this is only a backstop.
 DP_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class StalenessBound:
+    """How far behind the trainer a group may be: its staleness is the trainer's version
+    minus the version its oldest token was generated with, and it trains only while that
+    is at most `max_staleness` (k). Stand-in with the shape of
+    `rollout_engine.StalenessBound`: replace it by that import once the package has it."""
+
+    max_staleness: int
+
+    def too_stale(self, staleness: int) -> bool:
+        return staleness > self.max_staleness
+
+
+def staleness_bound(config: TrainConfig) -> StalenessBound:
+    """THE one place a run's staleness bound is built (from `--max-staleness`; 0 in sync
+    mode): the queue's size, every rollouter's admission, the trainer's queue reads and a
+    resume's queued groups all take it from here."""
+    return StalenessBound(config.effective_staleness)
 
 
 @dataclass(frozen=True)
