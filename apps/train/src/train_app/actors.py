@@ -18,7 +18,12 @@ from typing import Any
 
 import ray
 
-from train_app.plan import ReplicaPlan, TrainerPlan
+from train_app.plan import (
+    ROLLOUT_ACTOR_MAX_CONCURRENCY,
+    TRAINER_ACTOR_MAX_CONCURRENCY,
+    ReplicaPlan,
+    TrainerPlan,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +83,7 @@ def _write_pending_rows(checkpoint: Path, records: list[tuple[int, dict[str, Any
     tmp.replace(path)
 
 
-@ray.remote(max_concurrency=64, max_restarts=0)
+@ray.remote(max_concurrency=ROLLOUT_ACTOR_MAX_CONCURRENCY, max_restarts=0)
 class RolloutActor:
     """One engine and the `Rollouter` that feeds the queue from it (see `ReplicaPlan`)."""
 
@@ -312,7 +317,7 @@ def _process_tree() -> list[int]:
     return [me.pid, *(child.pid for child in me.children(recursive=True))]
 
 
-@ray.remote(max_concurrency=16, max_restarts=0)
+@ray.remote(max_concurrency=TRAINER_ACTOR_MAX_CONCURRENCY, max_restarts=0)
 class TrainerActor:
     """One rank of the trainer: runs `PPOTrainer` on batches from the queue; rank 0 pushes
     weights to the rollouters.
@@ -428,7 +433,7 @@ class TrainerActor:
             weight_sink=self._sink,
             metrics_sink=self,
             mm_inputs_fn=mm_inputs_fn,
-            pad_token_id=tokenizer.pad_token_id or 0,
+            pad_token_id=tokenizer.pad_token_id or plan.fallback_pad_token_id,
             data_parallel=self._dp,
             on_checkpoint=self._save_inflight,
         )
@@ -456,7 +461,7 @@ class TrainerActor:
         source = None
         if plan.rank == 0:
             source = QueueBatchSource(
-                self._queue, plan.ppo.max_staleness, taken=self._trainer.consumed_prompt_ids
+                self._queue, plan.staleness.max_staleness, taken=self._trainer.consumed_prompt_ids
             )
         self._source = source
         self._train_started = time.monotonic()
