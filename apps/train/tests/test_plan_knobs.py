@@ -95,8 +95,7 @@ def _unaccounted(value: ast.expr, local_names: set[str]) -> list[str]:
         elif isinstance(node, ast.Name) and node.id.isupper() and node.id not in CONSTANTS:
             bad.append(f"{node.id} (a constant without a comment)")
         elif isinstance(node, ast.Constant) and node.value is not None:
-            if id(node) not in path_parts:
-                bad.append(f"literal {node.value!r}")
+            bad += [] if id(node) in path_parts else [f"literal {node.value!r}"]
     return bad
 
 
