@@ -76,37 +76,12 @@ class Schedule:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A local Ray cluster every run of the module joins; yields its address. 4 CPUs: two
-    rollouters, the trainer and a replacement starting while a dead one's CPU is freed."""
-    import ray
-    from train_app.driver import RAY_SUBREAPER, WORKER_ENV
+    """A local Ray cluster every run of the module joins, started as `uv run apps/train`
+    starts its own (orphans of SIGKILLed actors are reaped); yields its address."""
+    from train_app.testing import local_ray_cluster
 
-    if ray.is_initialized():
-        ray.shutdown()
-    # As `uv run apps/train` starts its own cluster: orphans of SIGKILLed actors are reaped.
-    # Only while the cluster starts: a later `ray.init` in this process must not inherit it.
-    saved = {k: os.environ.get(k) for k in RAY_SUBREAPER}
-    os.environ.update(RAY_SUBREAPER)
-    env = {**WORKER_ENV, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor"))}
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": env},
-        _temp_dir=os.environ.get("RAY_TMPDIR", "/tmp/ray"),
-    )
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    # With the subreaper flag Ray ignores SIGCHLD in this process, and then every Popen's
-    # exit status reads 0: restore the default (the raylet still reaps orphans).
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
+    with local_ray_cluster(tmp_path_factory.mktemp("cluster")) as address:
+        yield address
 
 
 def _start(schedule: Schedule, run_dir: Path, address: str, resume: bool = False):

@@ -19,7 +19,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -27,34 +26,10 @@ import pytest
 from ppo_trainer import read_checkpoint_meta
 from rich.console import Console
 from train_app.config import TrainConfig
-from train_app.driver import WORKER_ENV, RunFailed, run
+from train_app.driver import RunFailed, run
 from train_app.testing import fake_engines
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """One local Ray cluster for the module's runs (`run` joins a running cluster): 2
-    replicas, the trainer and one spare CPU for a replacement starting while the dead
-    replica's CPU is being released."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    runs = tmp_path_factory.mktemp("elastic")
-    env = {**WORKER_ENV, "TORCHINDUCTOR_CACHE_DIR": str(runs / ".inductor")}
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": env},
-        _temp_dir=os.environ.get("RAY_TMPDIR", "/tmp/ray"),
-    )
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def _records(run_dir: Path) -> list[dict]:

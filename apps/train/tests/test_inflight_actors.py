@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +40,6 @@ from rollout_engine import Trajectory as RolloutTrajectory
 from rollout_engine.testing import FakeEngineConfig
 from train_app.actors import RolloutActor
 from train_app.config import TrainConfig
-from train_app.driver import WORKER_ENV, start_local_ray
 from train_app.inflight import (
     QueuedSnapshot,
     load_inflight,
@@ -62,29 +59,6 @@ K = 1
 BATCH = 4
 MAX_TOKENS = 48
 STEPS_BEFORE = 3
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A local Ray cluster with the run's worker environment (`run` uses the same)."""
-    if ray.is_initialized():
-        ray.shutdown()
-    runs = tmp_path_factory.mktemp("inflight")
-    env = {**WORKER_ENV, "TORCHINDUCTOR_CACHE_DIR": str(runs / ".inductor")}
-    # Ray's start is retried as the app does (`start_local_ray`): its raylet gives its
-    # agents a fixed time to start, which a heavily loaded 2-core machine can miss.
-    start_local_ray(
-        num_cpus=4,
-        options={
-            "log_to_driver": False,
-            "runtime_env": {"env_vars": env},
-            "_temp_dir": os.environ.get("RAY_TMPDIR", "/tmp/ray"),
-        },
-    )
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def _plan(

@@ -62,8 +62,9 @@ def ensure_model(config: TrainConfig, run_dir: Path) -> Path:
     """`--model`, or a tiny random model of the task's kind built into the run dir."""
     if config.model is not None:
         return Path(config.model).resolve()
+    from tiny_models import build_tiny_qwen2
+
     from train_app.tasks import is_vision_task
-    from train_app.tiny_model import build_tiny_qwen2
     from train_app.vision_model import build_tiny_qwen2_vl
 
     if is_vision_task(config.task):
