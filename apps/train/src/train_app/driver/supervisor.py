@@ -248,8 +248,10 @@ def replacement_plan(base: ReplicaPlan, handed_over: frozenset[str]) -> ReplicaP
     """The plan of a dead replica's replacement: the same prompt stream (same seed), skipping
     every prompt id already handed over (trained on, in training or queued: `handed_over`)
     besides those the original skipped. Restored partials (a resumed run) its predecessor
-    had not delivered are continued again; the rest are in training or the queue already.
-    Its predecessor's share of a resume's put-back groups was counted by it (`requeued=0`)."""
+    had not delivered are continued again; those it delivered are in training or the queue
+    already (`handed_over`; the base plan's skip set holds every restored id, so it cannot
+    tell them apart). Its predecessor's share of a resume's put-back groups was counted by
+    it (`requeued=0`)."""
     skip = base.consumed_prompt_ids | handed_over
-    restore = without_prompts(base.restore, skip - base.consumed_prompt_ids)
+    restore = without_prompts(base.restore, handed_over)
     return replace(base, consumed_prompt_ids=skip, restore=restore, requeued=0)
