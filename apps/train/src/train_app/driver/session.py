@@ -34,6 +34,8 @@ from train_app.driver.startup import (
     ensure_model,
     make_plan,
     prepare_run_dir,
+    record_config,
+    run_dir_lock,
     start_actors,
 )
 from train_app.driver.supervisor import Supervisor
@@ -62,6 +64,7 @@ def run(
     with contextlib.ExitStack() as stack:
         stack.enter_context(signals_raise())
         run_dir = prepare_run_dir(config)
+        stack.enter_context(run_dir_lock(run_dir))
         console.print(_startup_line(config, run_dir))
         # Before anything imports Ray (capture_driver_logs does): Ray reads
         # RAY_ENABLE_UV_RUN_RUNTIME_ENV at import, and under `uv run` it would otherwise start
@@ -173,6 +176,8 @@ class Session:
         self.reporter.open()
         await create_actors(self.plan, self.actors, self.put_back)
         await start_actors(self.plan, self.actors, self.supervisor.console, self.reporter.timings)
+        if self.config.resume is not None:  # its checkpoint loaded: now it is this run's
+            record_config(self.config, self.reporter.run_dir)
         train_started = time.monotonic()
         trainer_summary = await self.supervisor.train()
         train_s = time.monotonic() - train_started

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
+import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -16,7 +19,7 @@ from typing import Any
 
 from rich.console import Console
 
-from train_app.config import TrainConfig, to_toml
+from train_app.config import TrainConfig, load_toml, to_toml
 from train_app.driver.aio import await_ref
 from train_app.driver.errors import RunFailed
 from train_app.inflight import load_inflight, load_queued, put_back
@@ -32,6 +35,9 @@ from train_app.plan import (
 
 logger = logging.getLogger(__name__)
 
+# The lock file of a run directory held while a run writes it (`run_dir_lock`).
+LOCK_FILE = ".lock"
+
 __all__ = [
     "Actors",
     "PutBack",
@@ -40,22 +46,84 @@ __all__ = [
     "make_plan",
     "prepare_run_dir",
     "read_model_facts",
+    "record_config",
     "resume_point",
+    "run_dir_lock",
     "start_actors",
     "write_pids",
 ]
 
 
 def prepare_run_dir(config: TrainConfig) -> Path:
-    """The run's directory (the resumed one, or a new one), with its config.toml written."""
+    """The run's directory: the resumed one (checked: its task is this run's), or a new one
+    with its config.toml written. A name already in use is refused unless `--overwrite`
+    (which deletes the old run). A resumed run's config.toml is rewritten only once its
+    checkpoint has loaded (`record_config`), so a resume that fails leaves it as it was."""
     if config.resume is not None:
         run_dir = Path(config.resume)
-    else:
-        name = config.name or f"{config.task}-{config.mode}-{datetime.now():%Y%m%d-%H%M%S}"
-        run_dir = Path(config.runs_dir) / name
+        _check_resumed_task(config, run_dir)
+        return run_dir
+    name = config.name or f"{config.task}-{config.mode}-{datetime.now():%Y%m%d-%H%M%S}"
+    run_dir = Path(config.runs_dir) / name
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not config.overwrite:
+            raise RunFailed(
+                f"{run_dir} holds another run: continue it with --resume {run_dir}, choose "
+                "another --name, or pass --overwrite to delete it and start again"
+            )
+        _refuse_if_locked(run_dir)
+        logger.warning("--overwrite: deleting the earlier run in %s", run_dir)
+        shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(replace(config, resume=None)))
+    record_config(config, run_dir)
     return run_dir
+
+
+def record_config(config: TrainConfig, run_dir: Path) -> None:
+    """config.toml: what `--resume` reads back (written atomically)."""
+    path = run_dir / "config.toml"
+    path.with_suffix(".tmp").write_text(to_toml(replace(config, resume=None, overwrite=False)))
+    path.with_suffix(".tmp").replace(path)
+
+
+def _check_resumed_task(config: TrainConfig, run_dir: Path) -> None:
+    saved = run_dir / "config.toml"
+    if not saved.exists():
+        return
+    task = load_toml(saved).get("task", TrainConfig().task)
+    if task != config.task:
+        raise RunFailed(
+            f"--task {config.task} does not match the run being resumed ({task}, in {saved}); "
+            "a checkpoint continues the task it was trained on"
+        )
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: Path) -> Iterator[None]:
+    """Hold `run_dir/LOCK_FILE` for the run (an advisory lock the OS drops when the process
+    dies): a second run on the same directory is refused instead of interleaving writes."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (run_dir / LOCK_FILE).open("a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            owner = handle.read().strip() or "another process"
+            raise RunFailed(f"{run_dir} is in use by another run ({owner})") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}")
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _refuse_if_locked(run_dir: Path) -> None:
+    if (run_dir / LOCK_FILE).exists():
+        with run_dir_lock(run_dir):
+            pass
 
 
 def ensure_model(config: TrainConfig, run_dir: Path) -> Path:
