@@ -119,6 +119,8 @@ def test_two_ranks_train_checkpoint_and_resume(ray_cluster: None, tmp_path: Path
     pids = json.loads((run_dir / "actors.json").read_text())
     assert len(set(pids["trainer_ranks"])) == 2 and pids["trainer"] == pids["trainer_ranks"][0]
     assert (run_dir / "logs" / "trainer1.log").exists()
+    # Both ranks on this one node: they meet on loopback, not on the node's address.
+    assert "trainer ranks meet at tcp://127.0.0.1:" in (run_dir / "logs" / "driver.log").read_text()
     meta = read_checkpoint_meta(run_dir / "checkpoints" / "latest")
     assert (meta.step, meta.version) == (4, 4)
     assert len(meta.consumed_prompt_ids) == 4 * 4

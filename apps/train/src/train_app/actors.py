@@ -72,6 +72,9 @@ async def _make_engine(config: Any) -> Any:
 
 
 PENDING_ROWS_FILE = "metrics_pending.json"
+# Where the trainer ranks meet when they all share one node: loopback, never the network.
+LOOPBACK_HOST = "127.0.0.1"
+LOOPBACK_INTERFACE = "lo"
 
 
 def _write_pending_rows(checkpoint: Path, records: list[tuple[int, dict[str, Any]]]) -> None:
@@ -357,15 +360,18 @@ class TrainerActor:
             extra["trainer/duplicates_dropped"] = float(self._source.duplicates)
         self._records.append((step, {**metrics, **extra}))
 
-    async def rendezvous(self) -> str:
+    async def rendezvous(self, loopback: bool = False) -> str:
         """The torch.distributed address of the group (ask rank 0): `tcp://` this node's IP
-        and a port free on it now (rank 0 listens there in `setup`)."""
+        and a port free on it now (rank 0 listens there in `setup`). `loopback` (every rank
+        on this node): 127.0.0.1, so the store, which authenticates no one and unpickles
+        what it is sent, is not reachable from other machines."""
         import socket
 
+        host = LOOPBACK_HOST if loopback else ray.util.get_node_ip_address()
         with socket.socket() as sock:
-            sock.bind(("", 0))
+            sock.bind((host, 0))
             port = int(sock.getsockname()[1])
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+        return f"tcp://{host}:{port}"
 
     async def setup(self, init_method: str | None = None) -> float:
         """Join the rank group at `init_method` (world_size > 1; every rank at once), load the
@@ -387,6 +393,10 @@ class TrainerActor:
         from ppo_trainer import DataParallel
 
         plan = self._plan
+        if init_method.startswith(f"tcp://{LOOPBACK_HOST}:"):
+            # The ranks' own connections (gloo's, NCCL's bootstrap) on loopback too.
+            for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                os.environ.setdefault(variable, LOOPBACK_INTERFACE)
         return await asyncio.to_thread(
             DataParallel.init,
             plan.rank,

@@ -310,11 +310,15 @@ def _hold_new_prompts(run_plan: RunPlan) -> bool:
 
 
 async def _setup_trainers(trainers: list[Any]) -> float:
-    """Every trainer rank joins the group at rank 0's address (several ranks) and loads the
-    model, all at once; returns the slowest rank's seconds."""
+    """Every trainer rank joins the group at rank 0's address (several ranks; on loopback
+    when they share a node) and loads the model, all at once; returns the slowest rank's
+    seconds."""
     init_method = None
     if len(trainers) > 1:
-        init_method = await await_ref(trainers[0].rendezvous.remote())
+        nodes = await asyncio.gather(*(await_ref(t.node_id.remote()) for t in trainers))
+        one_node = len(set(nodes)) == 1  # then the ranks meet on loopback
+        init_method = await await_ref(trainers[0].rendezvous.remote(loopback=one_node))
+        logger.info("trainer ranks meet at %s", init_method)
     loads = await asyncio.gather(*(await_ref(t.setup.remote(init_method)) for t in trainers))
     return max(loads)
 
