@@ -120,18 +120,27 @@ class RolloutActor:
         tokens grow too stale. With `hold` its new prompts wait for `release_new_prompts()`
         (the driver's hold across replicas, see `train_app.driver.startup`)."""
         from mm_preprocess import EventLoopLagMonitor
-        from rollout_engine import Rollouter
-        from transformers import AutoTokenizer
 
-        from train_app.multimodal import make_vision_preprocessor
-        from train_app.prompts import PromptSource
-        from train_app.tasks import is_vision_task, make_task
-        from train_app.wiring import QueueTrajectorySink
-
-        plan = self._plan
         self._broken = asyncio.get_running_loop().create_future()
         self._lag = EventLoopLagMonitor()
         await self._lag.start()
+        task = await self._start_engine(weights, version)
+        await self._build_rollouter(task, hold)
+        # Drops the queue counted before this replica existed are not its own (a replacement).
+        self._stale_drops_seen = self._drop_share(await self._stale_drops())
+        if begin:
+            await self.begin()
+        return float(getattr(self._engine, "startup_s", 0.0))
+
+    async def _start_engine(self, weights: dict[str, Any] | None, version: int | None) -> Any:
+        """The task (its tokenizer, its dataset) and the engine, loaded with `weights` at
+        `version` if given (a replacement); returns the task."""
+        from transformers import AutoTokenizer
+
+        from train_app.multimodal import make_vision_preprocessor
+        from train_app.tasks import is_vision_task, make_task
+
+        plan = self._plan
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, plan.model_dir)
         # A vision task writes its PNG dataset when built: file work, so off the loop.
         task = await asyncio.to_thread(make_task, plan.task, tokenizer, **plan.task_options)
@@ -149,6 +158,17 @@ class RolloutActor:
             # Images are decoded and resized in VisionPreprocessor's bounded thread pool.
             self._preprocessor = make_vision_preprocessor(task.settings)
             await self._preprocessor.warmup()
+        return task
+
+    async def _build_rollouter(self, task: Any, hold: bool) -> None:
+        """The `Rollouter` over the engine: its prompt stream, the queue, the failure journal,
+        and a resumed run's restored groups and put-back count."""
+        from rollout_engine import Rollouter
+
+        from train_app.prompts import PromptSource
+        from train_app.wiring import QueueTrajectorySink
+
+        plan = self._plan
         self._journal = None
         if plan.failures_path is not None:
             from train_app.failure_log import FailureJournal
@@ -172,11 +192,6 @@ class RolloutActor:
             self._rollouter.count_requeued(plan.requeued)
         if hold:
             self._rollouter.hold_new_prompts()
-        # Drops the queue counted before this replica existed are not its own (a replacement).
-        self._stale_drops_seen = self._drop_share(await self._stale_drops())
-        if begin:
-            await self.begin()
-        return float(getattr(self._engine, "startup_s", 0.0))
 
     async def restored_delivered(self) -> None:
         """Returns once this replica's restored groups are delivered (or its loop ended)."""
