@@ -83,3 +83,14 @@ def test_one_run_at_a_time_holds_the_run_dir(tmp_path: Path) -> None:
             prepare_run_dir(config)
     with run_dir_lock(tmp_path):  # released when the run ends
         pass
+
+
+def test_the_old_driver_module_still_answers_and_warns_for_moved_private_names() -> None:
+    import train_app.driver as driver
+    import train_app.run as old
+
+    assert old.run is driver.run and old.RunFailed is driver.RunFailed
+    with pytest.warns(DeprecationWarning, match="train_app.driver.resume_point"):
+        assert old._resume_point is driver.resume_point
+    with pytest.raises(AttributeError):
+        old._Session  # noqa: B018
