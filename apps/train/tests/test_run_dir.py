@@ -46,6 +46,12 @@ def test_a_name_in_use_is_refused_without_overwrite(tmp_path: Path) -> None:
     assert (run_dir / "metrics.jsonl").exists()
 
 
+def test_runs_without_a_name_never_share_a_directory(tmp_path: Path) -> None:
+    config = TrainConfig(runs_dir=tmp_path)
+    first, second = prepare_run_dir(config), prepare_run_dir(config)
+    assert first != second and first.parent == second.parent == tmp_path
+
+
 def test_overwrite_deletes_the_old_run(tmp_path: Path) -> None:
     run_dir = prepare_run_dir(TrainConfig(runs_dir=tmp_path, name="again", steps=5))
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')

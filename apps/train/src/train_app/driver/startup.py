@@ -63,8 +63,7 @@ def prepare_run_dir(config: TrainConfig) -> Path:
         run_dir = Path(config.resume)
         _check_resumed_task(config, run_dir)
         return run_dir
-    name = config.name or f"{config.task}-{config.mode}-{datetime.now():%Y%m%d-%H%M%S}"
-    run_dir = Path(config.runs_dir) / name
+    run_dir = Path(config.runs_dir) / (config.name or _new_run_name(config))
     if run_dir.exists() and any(run_dir.iterdir()):
         if not config.overwrite:
             raise RunFailed(
@@ -77,6 +76,16 @@ def prepare_run_dir(config: TrainConfig) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     record_config(config, run_dir)
     return run_dir
+
+
+def _new_run_name(config: TrainConfig) -> str:
+    """The task, mode and time, with a suffix if a run of the same second has the name."""
+    base = f"{config.task}-{config.mode}-{datetime.now():%Y%m%d-%H%M%S}"
+    name, count = base, 1
+    while (Path(config.runs_dir) / name).exists():
+        count += 1
+        name = f"{base}-{count}"
+    return name
 
 
 def record_config(config: TrainConfig, run_dir: Path) -> None:
