@@ -90,16 +90,35 @@ def start_local_ray(
     import ray
 
     for attempt in range(1, attempts + 1):
+        before = _child_pids()
         try:
             with _environment(RAY_SUBREAPER):
                 ray.init(num_cpus=num_cpus, include_dashboard=False, **options)
             _default_sigchld()
             return
         except Exception as exc:
+            ray.shutdown()
+            # A start that timed out leaves its GCS, raylet and monitors running: ours.
+            _kill_children_since(before)
             if "timed out during startup" not in str(exc) or attempt == attempts:
                 raise
             logger.warning("Ray did not start (%s); retrying (%d/%d)", exc, attempt, attempts)
-            ray.shutdown()
+
+
+def _child_pids() -> set[int]:
+    import psutil
+
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def _kill_children_since(before: set[int]) -> None:
+    """Kill this process's children that were not there before (a failed cluster start's)."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        if child.pid not in before:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
 
 
 def warn_unplaceable(run_plan: RunPlan) -> None:
