@@ -15,6 +15,7 @@ PACKAGES = {
     "mm_preprocess": ROOT / "packages/mm-preprocess/src/mm_preprocess",
     "rollout_engine": ROOT / "packages/rollout-engine/src/rollout_engine",
     "ppo_trainer": ROOT / "packages/ppo-trainer/src/ppo_trainer",
+    "tiny_models": ROOT / "packages/tiny-models/src/tiny_models",
 }
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from train_app.run import WORKER_ENV
+from train_app.driver import WORKER_ENV
 
 pytestmark = pytest.mark.slow
 

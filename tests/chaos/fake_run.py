@@ -1,7 +1,7 @@
 """A chaos-suite driver: `apps/train`'s run with FakeEngine replicas, in its own process.
 
 `python fake_run.py '<TrainConfig fields as JSON, plus time_per_token_s>'` runs
-`train_app.run.run` with `train_app.testing.fake_engines` (the real Ray, queue, trainer and
+`train_app.driver.run` with `train_app.testing.fake_engines` (the real Ray, queue, trainer and
 driver; engines that start in milliseconds) and exits like `uv run apps/train`: 0, 1 with
 "run failed: <cause>", or 128 + the signal after SIGINT / SIGTERM.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rich.console import Console
 from train_app.config import TrainConfig
-from train_app.run import RunFailed, RunInterrupted, run
+from train_app.driver import RunFailed, RunInterrupted, run
 from train_app.testing import fake_engines
 
 

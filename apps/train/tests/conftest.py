@@ -8,7 +8,7 @@ about a minute on 2 cores); tests that use it are marked slow.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,19 @@ async def vl_engine(tiny_vl_dir: Path) -> AsyncIterator[Any]:
         yield engine
     finally:
         await engine.close()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """One local Ray cluster for a module's runs (`run` joins a running cluster); a module
+    that needs another size sets `RAY_CLUSTER_CPUS`."""
+    from train_app.testing import TEST_CLUSTER_CPUS, local_ray_cluster
+
+    cpus = getattr(request.module, "RAY_CLUSTER_CPUS", TEST_CLUSTER_CPUS)
+    with local_ray_cluster(tmp_path_factory.mktemp("ray-cluster"), cpus) as address:
+        yield address
 
 
 @pytest.fixture(autouse=True)

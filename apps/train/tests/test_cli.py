@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from train_app import cli
-from train_app import run as run_module
+from train_app import driver as run_module
 from train_app.config import TrainConfig, to_toml
 
 

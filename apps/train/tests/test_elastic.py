@@ -2,7 +2,7 @@
 finishes every step, each prompt trained on at most once.
 
 What is real: the local Ray cluster, the queue actor, the trainer actor (`PPOTrainer` on the
-tiny Qwen2), the rollout actors and the driver's restart path (`train_app.run`), and the
+tiny Qwen2), the rollout actors and the driver's restart path (`driver.supervisor`), and the
 kill (SIGKILL of the rollout actor's process, by the pid the run records in actors.json).
 The engines are `rollout_engine.testing.FakeEngine` (random tokens, no model), as in
 `test_replicas.py`: what is tested is the restart (a new actor, the trainer's weights and
@@ -19,7 +19,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -27,34 +26,10 @@ import pytest
 from ppo_trainer import read_checkpoint_meta
 from rich.console import Console
 from train_app.config import TrainConfig
-from train_app.run import WORKER_ENV, RunFailed, run
+from train_app.driver import RunFailed, run
 from train_app.testing import fake_engines
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """One local Ray cluster for the module's runs (`run` joins a running cluster): 2
-    replicas, the trainer and one spare CPU for a replacement starting while the dead
-    replica's CPU is being released."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    runs = tmp_path_factory.mktemp("elastic")
-    env = {**WORKER_ENV, "TORCHINDUCTOR_CACHE_DIR": str(runs / ".inductor")}
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": env},
-        _temp_dir=os.environ.get("RAY_TMPDIR", "/tmp/ray"),
-    )
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def _records(run_dir: Path) -> list[dict]:

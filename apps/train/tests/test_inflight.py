@@ -216,7 +216,7 @@ def test_the_driver_resumes_with_the_latest_checkpoints_partials(tmp_path: Path)
     and its in-flight groups less those prompts; `plan` then deals them."""
     from ppo_trainer import TrainerState
     from ppo_trainer.checkpoint_meta import STATE_FILE
-    from train_app.run import _resume_point
+    from train_app.driver import resume_point
 
     checkpoint = tmp_path / "checkpoints" / "step_000004"
     checkpoint.mkdir(parents=True)
@@ -231,7 +231,7 @@ def test_the_driver_resumes_with_the_latest_checkpoints_partials(tmp_path: Path)
     save_snapshot(_snapshot(_group("s1001-2", 1)), inflight_path(checkpoint, 1))
     config = TrainConfig(resume=tmp_path, rollout_replicas=1, batch_size=4, group_size=2)
 
-    resume = _resume_point(config, tmp_path)
+    resume = resume_point(config, tmp_path)
     assert (resume.step, resume.version, resume.checkpoint) == (4, 4, str(checkpoint))
     assert [_ids(s) for s in resume.inflight] == [["s1000-5"], ["s1001-2"]]  # s1000-0 trained
     (replica,) = plan(config, resume=resume).replicas
@@ -362,7 +362,7 @@ def test_the_driver_puts_back_the_queued_groups_and_continues_only_the_others(
     neither put back nor skipped."""
     from ppo_trainer import TrainerState
     from ppo_trainer.checkpoint_meta import STATE_FILE
-    from train_app.run import _resume_point
+    from train_app.driver import resume_point
 
     checkpoint = tmp_path / "checkpoints" / "step_000004"
     checkpoint.mkdir(parents=True)
@@ -378,7 +378,7 @@ def test_the_driver_puts_back_the_queued_groups_and_continues_only_the_others(
     config = TrainConfig(resume=tmp_path, rollout_replicas=1, batch_size=4, group_size=2,
                          max_staleness=1)  # fmt: skip
 
-    resume = _resume_point(config, tmp_path)
+    resume = resume_point(config, tmp_path)
     assert [i.item_id for i in resume.queued.items] == ["s1000-5"]
     assert resume.queued.dropped_stale == 1  # s1000-1: version 1 at version 4, k = 1
     assert [_ids(s) for s in resume.inflight] == [["s1000-6"]]

@@ -29,8 +29,6 @@ import dataclasses
 import functools
 import io
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -41,6 +39,7 @@ from rollout_engine import Trajectory as RolloutTrajectory
 from rollout_engine import load_snapshot, save_snapshot
 from rollout_engine.testing import FakeEngineConfig
 from train_app.config import TrainConfig
+from train_app.driver import run
 from train_app.inflight import (
     load_inflight,
     load_queued,
@@ -49,38 +48,12 @@ from train_app.inflight import (
     write_queued,
 )
 from train_app.plan import RunPlan
-from train_app.run import WORKER_ENV, _start_local_ray, run
 from train_app.testing import fake_engines
 
 pytestmark = pytest.mark.slow
 
 K = 1
 BATCH = 6
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """One local Ray cluster for both runs (`run` joins a running cluster)."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    runs = tmp_path_factory.mktemp("inflight-run")
-    env = {**WORKER_ENV, "TORCHINDUCTOR_CACHE_DIR": str(runs / ".inductor")}
-    # Ray's start is retried as the app does (`run._start_local_ray`): its raylet gives its
-    # agents a fixed time to start, which a heavily loaded 2-core machine can miss.
-    _start_local_ray(
-        num_cpus=4,
-        options={
-            "log_to_driver": False,
-            "runtime_env": {"env_vars": env},
-            "_temp_dir": os.environ.get("RAY_TMPDIR", "/tmp/ray"),
-        },
-    )
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def _fake_engines(run_plan: RunPlan) -> RunPlan:

@@ -12,9 +12,9 @@ import pytest
 from ppo_trainer import TrainerState
 from ppo_trainer.checkpoint_meta import STATE_FILE
 from train_app.config import TrainConfig
+from train_app.driver import RunFailed, resume_point
 from train_app.plan import plan
 from train_app.prompts import PromptSource
-from train_app.run import RunFailed, _resume_point
 from train_app.tasks import make_task
 from train_app.tiny_model import build_char_tokenizer
 
@@ -95,7 +95,7 @@ def test_resume_from_a_checkpoint_skips_every_replicas_consumed_prompts(
             consumed_prompt_ids=tuple(consumed),
         ),
     )
-    resume = _resume_point(TrainConfig(resume=tmp_path), tmp_path)
+    resume = resume_point(TrainConfig(resume=tmp_path), tmp_path)
     assert (resume.step, resume.version, resume.consumed_prompt_ids) == (2, 2, set(consumed))
     resumed = plan(config, resume=resume).replicas
     for replica, stream in zip(resumed, streams, strict=True):
@@ -119,12 +119,12 @@ def test_a_checkpoint_without_prompt_ids_is_refused(tmp_path: Path) -> None:
         ),
     )
     with pytest.raises(RunFailed, match="predates trajectories carrying `prompt_id`"):
-        _resume_point(TrainConfig(resume=tmp_path), tmp_path)
+        resume_point(TrainConfig(resume=tmp_path), tmp_path)
 
 
 def test_a_checkpoint_of_no_step_resumes_the_whole_stream(task, tmp_path: Path) -> None:
     _write_checkpoint(tmp_path, TrainerState(step=0, version=0))
-    resume = _resume_point(TrainConfig(resume=tmp_path), tmp_path)
+    resume = resume_point(TrainConfig(resume=tmp_path), tmp_path)
     assert resume.consumed_prompt_ids == frozenset()
     seed = plan(TrainConfig(), resume=resume).replicas[0].prompt_seed
     assert _ids(PromptSource(task, seed, resume.consumed_prompt_ids), 3) == _ids(

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 from train_app import cli
-from train_app import run as run_module
-from train_app.run import RunInterrupted, _signals_raise, _Stopper
+from train_app import driver as run_module
+from train_app.driver import RunInterrupted, Stopper, signals_raise
 
 
 def test_first_signal_stops_gracefully_the_second_exits_at_once() -> None:
     graceful: list[int] = []
 
     async def main() -> tuple[bool, bool]:
-        stopper = _Stopper(Console(file=io.StringIO()))
+        stopper = Stopper(Console(file=io.StringIO()))
         stopper.install()
         try:
             stopper.graceful = lambda: graceful.append(1) or True
@@ -41,7 +41,7 @@ def test_first_signal_stops_gracefully_the_second_exits_at_once() -> None:
 
 def test_first_signal_before_training_cancels_the_run() -> None:
     async def main() -> int | None:
-        stopper = _Stopper(Console(file=io.StringIO()))
+        stopper = Stopper(Console(file=io.StringIO()))
         stopper.install()
         try:
             os.kill(os.getpid(), signal.SIGINT)
@@ -64,9 +64,9 @@ def _signal_self(signum: int) -> None:
 def test_signals_raise_even_if_sigint_was_inherited_ignored() -> None:
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job
     try:
-        with _signals_raise(), pytest.raises(KeyboardInterrupt):
+        with signals_raise(), pytest.raises(KeyboardInterrupt):
             _signal_self(signal.SIGINT)
-        with _signals_raise(), pytest.raises(RunInterrupted) as caught:
+        with signals_raise(), pytest.raises(RunInterrupted) as caught:
             _signal_self(signal.SIGTERM)
         assert caught.value.exit_code == 143
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # restored afterwards

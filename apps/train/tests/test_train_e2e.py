@@ -17,7 +17,12 @@ from pathlib import Path
 import pytest
 
 APP = Path(__file__).resolve().parents[1]
-SHORT = ["--steps", "6", "--batch-size", "4", "--group-size", "4", "--checkpoint-every", "3"]
+# The staleness bound of the short run (the app's default, which its resume keeps).
+SHORT_MAX_STALENESS = 2
+SHORT = [
+    "--steps", "6", "--batch-size", "4", "--group-size", "4", "--checkpoint-every", "3",
+    "--max-staleness", str(SHORT_MAX_STALENESS),
+]  # fmt: skip
 
 pytestmark = pytest.mark.slow
 
@@ -91,20 +96,30 @@ def _alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
-def test_short_run_writes_metrics_versions_and_plot(tmp_path: Path) -> None:
-    run_dir = tmp_path / "short"
-    code, out = _finish(_start(run_dir, *SHORT, "--max-staleness", "1"))
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str, list, dict]:
+    """One short finished run (6 steps, checkpoints at 3 and 6) that the short-run test
+    checks and the resume test then continues: one Ray and vLLM start fewer than a run
+    each. Yields (run dir, exit code, output, its metrics rows, its summary) as the run
+    left them (the resume appends to the files)."""
+    run_dir = tmp_path_factory.mktemp("e2e") / "short"
+    code, out = _finish(_start(run_dir, *SHORT))
+    records = _records(run_dir) if code == 0 else []
+    summary = json.loads((run_dir / "summary.json").read_text()) if code == 0 else {}
+    return run_dir, code, out, records, summary
+
+
+def test_short_run_writes_metrics_versions_and_plot(short_run) -> None:
+    run_dir, code, out, records, summary = short_run
     assert code == 0, out[-4000:]
-    records = _records(run_dir)
     assert [r["step"] for r in records] == list(range(1, 7)), out[-2000:]
     versions = [r["trainer/version"] for r in records]
     assert versions == sorted(versions) and versions[-1] > versions[0]
-    assert all(r["staleness/max"] <= 1 for r in records)
+    assert all(r["staleness/max"] <= SHORT_MAX_STALENESS for r in records)
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in records)
     assert (run_dir / "reward.png").stat().st_size > 10_000
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "config.toml").exists()
-    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 6
     _assert_quiet(out, run_dir)
 
@@ -140,11 +155,10 @@ def test_two_vllm_replicas_share_the_batch(tmp_path: Path) -> None:
     assert (run_dir / "logs" / "rollout1.log").exists()
 
 
-def test_resume_continues_without_consuming_a_sample_twice(tmp_path: Path) -> None:
-    run_dir = tmp_path / "resumable"
-    code, out = _finish(_start(run_dir, *SHORT))
+def test_resume_continues_without_consuming_a_sample_twice(short_run) -> None:
+    """Continues `short_run` (the same run dir) to step 9."""
+    run_dir, code, out, first, _ = short_run
     assert code == 0, out[-4000:]
-    first = _records(run_dir)
     from ppo_trainer import read_checkpoint_meta
     from train_app.inflight import load_inflight, load_queued
 
@@ -156,7 +170,10 @@ def test_resume_continues_without_consuming_a_sample_twice(tmp_path: Path) -> No
     meta = read_checkpoint_meta(latest)
     consumed = set(meta.consumed_prompt_ids)
     queued = load_queued(
-        latest, version=meta.version, max_staleness=2, consumed_prompt_ids=consumed
+        latest,
+        version=meta.version,
+        max_staleness=SHORT_MAX_STALENESS,
+        consumed_prompt_ids=consumed,
     )
     consumed |= queued.prompt_ids
     saved = [g for s in load_inflight(latest, consumed_prompt_ids=consumed) for g in s.groups]

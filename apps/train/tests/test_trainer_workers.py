@@ -17,17 +17,16 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from ppo_trainer import read_checkpoint_meta
 from rich.console import Console
 from train_app import cli
-from train_app import run as run_module
+from train_app import driver as run_module
 from train_app.config import TrainConfig
+from train_app.driver import RunFailed, run
 from train_app.plan import DP_STRATEGY, RunPlan, plan
-from train_app.run import WORKER_ENV, RunFailed, run
 from train_app.testing import fake_engines
 
 # -- the plan (no Ray) ---------------------------------------------------------------------
@@ -86,27 +85,8 @@ def test_trainer_workers_is_validated_and_reaches_the_config(
 # -- runs through Ray (FakeEngine rollouts, real trainer ranks) ----------------------------
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """One local Ray cluster for the module's runs (`run` joins a running cluster): a CPU
-    for the rollouter and for each of two trainer ranks."""
-    import ray
-
-    if ray.is_initialized():  # another module's cluster, with another worker environment
-        ray.shutdown()
-    runs = tmp_path_factory.mktemp("trainer-workers")
-    env = {**WORKER_ENV, "TORCHINDUCTOR_CACHE_DIR": str(runs / ".inductor")}
-    ray.init(
-        num_cpus=3,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": env},
-        _temp_dir=os.environ.get("RAY_TMPDIR", "/tmp/ray"),
-    )
-    try:
-        yield
-    finally:
-        ray.shutdown()
+# A CPU for the rollouter and for each of two trainer ranks.
+RAY_CLUSTER_CPUS = 3
 
 
 def _fake_engine(run_plan: RunPlan) -> RunPlan:
@@ -139,6 +119,8 @@ def test_two_ranks_train_checkpoint_and_resume(ray_cluster: None, tmp_path: Path
     pids = json.loads((run_dir / "actors.json").read_text())
     assert len(set(pids["trainer_ranks"])) == 2 and pids["trainer"] == pids["trainer_ranks"][0]
     assert (run_dir / "logs" / "trainer1.log").exists()
+    # Both ranks on this one node: they meet on loopback, not on the node's address.
+    assert "trainer ranks meet at tcp://127.0.0.1:" in (run_dir / "logs" / "driver.log").read_text()
     meta = read_checkpoint_meta(run_dir / "checkpoints" / "latest")
     assert (meta.step, meta.version) == (4, 4)
     assert len(meta.consumed_prompt_ids) == 4 * 4

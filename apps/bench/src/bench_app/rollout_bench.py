@@ -93,7 +93,7 @@ def _set_environment(workdir: Path) -> None:
 
 def build_model(directory: Path) -> Any:
     """The app's default tiny Qwen2 and character tokenizer (made locally, no download)."""
-    from train_app.tiny_model import build_tiny_qwen2
+    from tiny_models import build_tiny_qwen2
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(build_tiny_qwen2(directory, seed=0))

@@ -18,7 +18,12 @@ from typing import Any
 
 import ray
 
-from train_app.plan import ReplicaPlan, TrainerPlan
+from train_app.plan import (
+    ROLLOUT_ACTOR_MAX_CONCURRENCY,
+    TRAINER_ACTOR_MAX_CONCURRENCY,
+    ReplicaPlan,
+    TrainerPlan,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +72,9 @@ async def _make_engine(config: Any) -> Any:
 
 
 PENDING_ROWS_FILE = "metrics_pending.json"
+# Where the trainer ranks meet when they all share one node: loopback, never the network.
+LOOPBACK_HOST = "127.0.0.1"
+LOOPBACK_INTERFACE = "lo"
 
 
 def _write_pending_rows(checkpoint: Path, records: list[tuple[int, dict[str, Any]]]) -> None:
@@ -78,7 +86,7 @@ def _write_pending_rows(checkpoint: Path, records: list[tuple[int, dict[str, Any
     tmp.replace(path)
 
 
-@ray.remote(max_concurrency=64, max_restarts=0)
+@ray.remote(max_concurrency=ROLLOUT_ACTOR_MAX_CONCURRENCY, max_restarts=0)
 class RolloutActor:
     """One engine and the `Rollouter` that feeds the queue from it (see `ReplicaPlan`)."""
 
@@ -110,20 +118,29 @@ class RolloutActor:
         once every engine is up: a resumed run's restored partials (oldest tokens first) then
         reach the queue ahead of any replica's new groups, so they are trained on before their
         tokens grow too stale. With `hold` its new prompts wait for `release_new_prompts()`
-        (the driver's hold across replicas, see `train_app.run._start_together`)."""
+        (the driver's hold across replicas, see `train_app.driver.startup`)."""
         from mm_preprocess import EventLoopLagMonitor
-        from rollout_engine import Rollouter
-        from transformers import AutoTokenizer
 
-        from train_app.multimodal import make_vision_preprocessor
-        from train_app.prompts import PromptSource
-        from train_app.tasks import is_vision_task, make_task
-        from train_app.wiring import QueueTrajectorySink
-
-        plan = self._plan
         self._broken = asyncio.get_running_loop().create_future()
         self._lag = EventLoopLagMonitor()
         await self._lag.start()
+        task = await self._start_engine(weights, version)
+        await self._build_rollouter(task, hold)
+        # Drops the queue counted before this replica existed are not its own (a replacement).
+        self._stale_drops_seen = self._drop_share(await self._stale_drops())
+        if begin:
+            await self.begin()
+        return float(getattr(self._engine, "startup_s", 0.0))
+
+    async def _start_engine(self, weights: dict[str, Any] | None, version: int | None) -> Any:
+        """The task (its tokenizer, its dataset) and the engine, loaded with `weights` at
+        `version` if given (a replacement); returns the task."""
+        from transformers import AutoTokenizer
+
+        from train_app.multimodal import make_vision_preprocessor
+        from train_app.tasks import is_vision_task, make_task
+
+        plan = self._plan
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, plan.model_dir)
         # A vision task writes its PNG dataset when built: file work, so off the loop.
         task = await asyncio.to_thread(make_task, plan.task, tokenizer, **plan.task_options)
@@ -142,6 +159,17 @@ class RolloutActor:
             # Images are decoded and resized in VisionPreprocessor's bounded thread pool.
             self._preprocessor = make_vision_preprocessor(task.settings)
             await self._preprocessor.warmup()
+        return task
+
+    async def _build_rollouter(self, task: Any, hold: bool) -> None:
+        """The `Rollouter` over the engine: its prompt stream, the queue, the failure journal,
+        and a resumed run's restored groups and put-back count."""
+        from rollout_engine import Rollouter
+
+        from train_app.prompts import PromptSource
+        from train_app.wiring import QueueTrajectorySink
+
+        plan = self._plan
         self._journal = None
         if plan.failures_path is not None:
             from train_app.failure_log import FailureJournal
@@ -165,11 +193,6 @@ class RolloutActor:
             self._rollouter.count_requeued(plan.requeued)
         if hold:
             self._rollouter.hold_new_prompts()
-        # Drops the queue counted before this replica existed are not its own (a replacement).
-        self._stale_drops_seen = self._drop_share(await self._stale_drops())
-        if begin:
-            await self.begin()
-        return float(getattr(self._engine, "startup_s", 0.0))
 
     async def restored_delivered(self) -> None:
         """Returns once this replica's restored groups are delivered (or its loop ended)."""
@@ -314,7 +337,7 @@ def _process_tree() -> list[int]:
     return [me.pid, *(child.pid for child in me.children(recursive=True))]
 
 
-@ray.remote(max_concurrency=16, max_restarts=0)
+@ray.remote(max_concurrency=TRAINER_ACTOR_MAX_CONCURRENCY, max_restarts=0)
 class TrainerActor:
     """One rank of the trainer: runs `PPOTrainer` on batches from the queue; rank 0 pushes
     weights to the rollouters.
@@ -354,15 +377,18 @@ class TrainerActor:
             extra["trainer/duplicates_dropped"] = float(self._source.duplicates)
         self._records.append((step, {**metrics, **extra}))
 
-    async def rendezvous(self) -> str:
+    async def rendezvous(self, loopback: bool = False) -> str:
         """The torch.distributed address of the group (ask rank 0): `tcp://` this node's IP
-        and a port free on it now (rank 0 listens there in `setup`)."""
+        and a port free on it now (rank 0 listens there in `setup`). `loopback` (every rank
+        on this node): 127.0.0.1, so the store, which authenticates no one and unpickles
+        what it is sent, is not reachable from other machines."""
         import socket
 
+        host = LOOPBACK_HOST if loopback else ray.util.get_node_ip_address()
         with socket.socket() as sock:
-            sock.bind(("", 0))
+            sock.bind((host, 0))
             port = int(sock.getsockname()[1])
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+        return f"tcp://{host}:{port}"
 
     async def setup(self, init_method: str | None = None) -> float:
         """Join the rank group at `init_method` (world_size > 1; every rank at once), load the
@@ -384,6 +410,10 @@ class TrainerActor:
         from ppo_trainer import DataParallel
 
         plan = self._plan
+        if init_method.startswith(f"tcp://{LOOPBACK_HOST}:"):
+            # The ranks' own connections (gloo's, NCCL's bootstrap) on loopback too.
+            for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                os.environ.setdefault(variable, LOOPBACK_INTERFACE)
         return await asyncio.to_thread(
             DataParallel.init,
             plan.rank,
@@ -430,7 +460,7 @@ class TrainerActor:
             weight_sink=self._sink,
             metrics_sink=self,
             mm_inputs_fn=mm_inputs_fn,
-            pad_token_id=tokenizer.pad_token_id or 0,
+            pad_token_id=tokenizer.pad_token_id or plan.fallback_pad_token_id,
             data_parallel=self._dp,
             on_checkpoint=self._save_inflight,
         )
@@ -458,7 +488,7 @@ class TrainerActor:
         source = None
         if plan.rank == 0:
             source = QueueBatchSource(
-                self._queue, plan.ppo.max_staleness, taken=self._trainer.consumed_prompt_ids
+                self._queue, plan.staleness.max_staleness, taken=self._trainer.consumed_prompt_ids
             )
         self._source = source
         self._train_started = time.monotonic()

@@ -41,7 +41,7 @@ def train(
     Ctrl-C or SIGTERM: the trainer finishes the step in progress and saves a checkpoint there,
     then every actor and engine stops (exit 130 / 143). A second Ctrl-C exits at once.
     """
-    from train_app.run import RunFailed, RunInterrupted, run
+    from train_app.driver import RunFailed, RunInterrupted, run
 
     console = Console()
     try:
@@ -116,7 +116,7 @@ def _resume_dir(tokens: tuple[str, ...]) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         # Ctrl-C works even if this process inherited SIGINT ignored (a background job of a
-        # non-interactive shell); the run installs its own handlers later (see run.py).
+        # non-interactive shell); the run installs its own handlers later.
         signal.signal(signal.SIGINT, signal.default_int_handler)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     result = app.meta(sys.argv[1:] if argv is None else argv)

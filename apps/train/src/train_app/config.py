@@ -22,6 +22,10 @@ __all__ = [
     "to_toml",
 ]
 
+# How config.toml writes a None that is not the option's default (TOML has no null); the
+# command line reads the same word as None for an optional option.
+NONE_TEXT = "None"
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -186,6 +190,10 @@ class TrainConfig:
     resume: Path | None = None
     """A run directory to continue from its last checkpoint (its config is reused)."""
 
+    overwrite: bool = False
+    """Start a new run in the directory of an old one of the same `--name`, deleting it
+    (without it, a name in use is refused: `--resume` it or choose another name)."""
+
     ray_address: str | None = None
     """Join this Ray cluster (e.g. `auto`) instead of starting a local one."""
 
@@ -336,10 +344,16 @@ def parse_resources(text: str | None) -> dict[str, float]:
 
 
 def to_toml(config: TrainConfig) -> str:
+    """The config as TOML (runs/NAME/config.toml). TOML has no null: None is left out where
+    it is the default and written as the string "None" where it is not (`--max-grad-norm
+    None`), which the command line and `load_toml` read back as None."""
     lines = []
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
+        if value is None and field.default is None:
+            continue
         if value is None:
+            lines.append(f'{field.name} = "{NONE_TEXT}"')
             continue
         if isinstance(value, tuple):
             if not value:
@@ -368,10 +382,13 @@ def load_toml(path: Path) -> dict[str, Any]:
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise ValueError(f"{path}: unknown option(s) {unknown}")
+    for key, value in list(data.items()):
+        if value == NONE_TEXT and known[key].default is not None:
+            data[key] = None
     for key in ("reward", "reward_weights"):
         if key in data:
             data[key] = tuple(data[key])
     for key in ("runs_dir", "model", "resume", "dataset"):
-        if key in data:
+        if data.get(key) is not None:
             data[key] = Path(data[key])
     return data

@@ -27,7 +27,7 @@ from scratch. A group whose oldest token is exactly k versions old must be in th
 run's first batch: each `Rollouter` admits no new prompt until its restored groups are
 delivered, and with several replicas every replica holds its new prompts
 (`Rollouter.hold_new_prompts`) until all of them have delivered their restored groups (the
-driver's `run._start_together`), so no replica's new group reaches the queue ahead of another's
+driver's `train_app.driver.startup`), so no replica's new group reaches the queue ahead of another's
 restored one. Only more restored groups than one batch can lose some: the second batch is a
 version later, and a group exactly k old that finished after the first batch was taken is
 then dropped at delivery like any straggler (counted in `queue/dropped`).

@@ -49,12 +49,14 @@ __all__ = [
     "ReplicaPlan",
     "ResumePoint",
     "RunPlan",
+    "StalenessBound",
     "TrainerPlan",
     "actor_options",
     "plan",
     "queue_maxsize",
     "ray_num_cpus",
     "split_batch",
+    "staleness_bound",
 ]
 
 # Context length given to vLLM: the model's own, capped (a tiny model's KV cache stays small).
@@ -73,6 +75,124 @@ DP_STRATEGY = "auto"
 # Seconds a rank waits in torch.distributed (the rendezvous, any collective) before failing;
 # the driver sees a dead rank at once and ends the run, so this is only a backstop.
 DP_TIMEOUT_S = 600.0
+
+# Where actors run when pinned (one replica, a core per actor): the engine on core 0, trainer
+# rank r on TRAINER_CORE + r, so neither steals the other's core.
+ENGINE_CORE = 0
+TRAINER_CORE = 1
+# Replica i's prompt stream is seeded `seed * PROMPT_SEED_STRIDE + i`: distinct per replica
+# and per run seed for up to this many replicas.
+PROMPT_SEED_STRIDE = 1000
+# Ray `max_concurrency` of a rollout actor: its rollout loop, weight pushes, metric polls and
+# stop all wait on it at once; every call is async, so this only caps waiting calls.
+ROLLOUT_ACTOR_MAX_CONCURRENCY = 64
+# Ray `max_concurrency` of a trainer actor: train(), metric drains, hand-offs and stop at once.
+TRAINER_ACTOR_MAX_CONCURRENCY = 16
+# Token id padding batches when the tokenizer has none: padded positions are masked out of
+# every loss term, so any valid id serves.
+FALLBACK_PAD_TOKEN_ID = 0
+
+# Sampling: plain temperature sampling over the whole vocabulary (on-policy log-probs need
+# the unmodified distribution), stopping at EOS; per-request seeds are not fixed (the
+# engine's own seed makes a run reproducible enough).
+TOP_P = 1.0
+TOP_K = -1
+SAMPLING_SEED = None
+IGNORE_EOS = False
+
+# Rollouter: fresh pacing's relative head-room on the measured batch generation latency
+# (admit a bit early rather than leave the trainer waiting).
+PACING_MARGIN = 0.25
+# Drop vLLM's prefix cache at a weight load: cached KV of the old weights is wrong.
+CLEAR_CACHE_ON_PAUSE = True
+# Threads running the reward function off the event loop: the tasks' rewards are cheap.
+REWARD_WORKERS = 1
+# Seconds a rollouter's stop waits for its cancelled tasks to unwind.
+ROLLOUT_STOP_TIMEOUT_S = 10.0
+# Groups failing in a row before a rollouter gives up: a broken engine, not bad luck.
+MAX_CONSECUTIVE_FAILURES = 32
+# Failed groups a rollouter keeps in memory for failures.json (counts are kept for all).
+RECENT_FAILURES_KEPT = 256
+
+# vLLM engine: float32 keeps behaviour log-probs comparable with the float32 trainer to ~1e-6.
+ENGINE_DTYPE = "float32"
+# KV cache of each engine (GiB): enough for a tiny model's groups on CPU.
+KV_CACHE_GIB = 1.0
+# No CUDA graphs / compilation: weights change every step and start-up time matters more.
+ENFORCE_EAGER = True
+# Prompts of a group share their prefix; the cache is cleared at every weight load.
+PREFIX_CACHING = True
+# Log-probs after temperature: what the trainer's importance ratios compare against.
+LOGPROBS_MODE = "processed_logprobs"
+# The vLLM worker extension that loads pushed weights in place.
+WEIGHT_SYNC_EXTENSION = "rollout_engine.vllm_worker.WeightSyncWorkerExtension"
+# Weights reach the engine as bytes in the Ray call: tiny models; "file" (SHM_DIR) for large.
+WEIGHT_TRANSPORT = "bytes"
+SHM_DIR = "/dev/shm"
+# One warm-up generation at start-up, so the first real step does not pay for it.
+ENGINE_WARMUP = True
+# Threads serializing weights off the engine host's event loop (one push at a time).
+ENGINE_IO_THREADS = 1
+# Tokens per streamed delta: fewer deltas cost less CPU per token, and version stamps stay
+# exact either way.
+STREAM_INTERVAL = 8
+# Seconds an engine's close lets its engine-core process exit before killing it.
+ENGINE_SHUTDOWN_TIMEOUT_S = 2.0
+
+# Trainer (PPO/GRPO): no weight decay, Adam's usual moments, no warm-up (tiny learning rates
+# and one pass per batch: nothing to stabilise), one minibatch and one micro-batch per step.
+WEIGHT_DECAY = 0.0
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
+WARMUP_STEPS = 0
+NUM_MINIBATCHES = 1
+GRAD_ACCUM = 1
+# Symmetric clipping, no dual clip: the standard PPO objective.
+CLIP_EPS_HIGH = None
+DUAL_CLIP = None
+# Importance ratios against the behaviour policy's log-probs (what async staleness needs).
+USE_BEHAVIOUR_LOGPROBS = True
+# Loss averaged over every token of the batch.
+LOSS_AGG = "token-mean"
+# No KL penalty and no entropy bonus: GRPO as published (the clip bounds each step).
+KL_COEF = 0.0
+KL_ESTIMATOR = "k3"
+KL_CLAMP = False
+ENTROPY_COEF = 0.0
+# GRPO: a group's rewards minus their mean, divided by their std (+ ADV_EPS against zero).
+NORM_STD = True
+ADV_EPS = 1e-6
+# GAE: undiscounted Monte-Carlo returns (one reward at the end of a response), whitened.
+GAE_GAMMA = 1.0
+GAE_LAMBDA = 1.0
+WHITEN_ADVANTAGES = True
+# GAE: weight of the value loss and its clip range (the value head shares the trunk).
+VF_COEF = 0.1
+VALUE_CLIP = 0.2
+# A new trainer starts at version 0; a resumed one takes its version from the checkpoint.
+TRAINER_INITIAL_VERSION = 0
+# Push weights in the background of the next step (the push overlaps compute).
+BACKGROUND_PUSH = True
+
+
+@dataclass(frozen=True)
+class StalenessBound:
+    """How far behind the trainer a group may be: its staleness is the trainer's version
+    minus the version its oldest token was generated with, and it trains only while that
+    is at most `max_staleness` (k). Stand-in with the shape of
+    `rollout_engine.StalenessBound`: replace it by that import once the package has it."""
+
+    max_staleness: int
+
+    def too_stale(self, staleness: int) -> bool:
+        return staleness > self.max_staleness
+
+
+def staleness_bound(config: TrainConfig) -> StalenessBound:
+    """THE one place a run's staleness bound is built (from `--max-staleness`; 0 in sync
+    mode): the queue's size, every rollouter's admission, the trainer's queue reads and a
+    resume's queued groups all take it from here."""
+    return StalenessBound(config.effective_staleness)
 
 
 @dataclass(frozen=True)
@@ -150,6 +270,11 @@ class TrainerPlan:
     """`DataParallel` strategy with world_size > 1: auto, ddp or fsdp2."""
     dp_timeout_s: float = DP_TIMEOUT_S
     """torch.distributed timeout of the rendezvous and of every collective."""
+    staleness: StalenessBound = field(kw_only=True)
+    """The run's staleness bound (`RunPlan.staleness`): rank 0's queue reads drop groups
+    staler than it."""
+    fallback_pad_token_id: int = FALLBACK_PAD_TOKEN_ID
+    """Token id that pads batches when the tokenizer has no pad token."""
 
     @property
     def log_name(self) -> str:
@@ -171,6 +296,9 @@ class RunPlan:
     """CPUs of a local Ray cluster: one per rollout actor and one per trainer rank."""
     steps: int
     resume: ResumePoint = field(default_factory=ResumePoint)
+    staleness: StalenessBound = field(kw_only=True)
+    """The run's one staleness bound (`staleness_bound`), handed to the queue's reads,
+    every rollouter and the trainer."""
 
     @property
     def trainer_ranks(self) -> tuple[TrainerPlan, ...]:
@@ -220,7 +348,8 @@ def ray_num_cpus(config: TrainConfig) -> int:
 
 def queue_maxsize(config: TrainConfig) -> int:
     """Admission keeps at most k + 1 batches ahead of the trainer; one more is head-room."""
-    return (config.effective_staleness + 1 + QUEUE_SPARE_BATCHES) * config.batch_size
+    k = staleness_bound(config).max_staleness
+    return (k + 1 + QUEUE_SPARE_BATCHES) * config.batch_size
 
 
 def plan(
@@ -244,11 +373,7 @@ def plan(
     instead of `run_dir/logs/`."""
     config.validate()
     resume = resume or ResumePoint()
-    k = config.effective_staleness
-    shares = split_batch(config.batch_size, config.rollout_replicas)
-    restores = redistribute(resume.inflight, shares)
-    skip = resume.consumed_prompt_ids | restored_prompt_ids(restores) | resume.queued.prompt_ids
-    requeued = deal_count(len(resume.queued.items), shares)
+    bound = staleness_bound(config)
     pin = (
         config.rollout_replicas == 1
         and cpu_count >= 1 + config.trainer_workers
@@ -256,77 +381,22 @@ def plan(
     )
     run_dir = Path(run_dir)
     log_dir = str(run_dir / "logs") if capture_logs else None
-    sampling = SamplingConfig(
-        max_tokens=config.max_tokens,
-        temperature=config.temperature,
-        stop_token_ids=() if eos_token_id is None else (eos_token_id,),
-    )
-    replicas = tuple(
-        ReplicaPlan(
-            replica=i,
-            replicas=len(shares),
-            model_dir=str(model_dir),
-            task=task_name(config),
-            task_options=task_options(config, run_dir, i, len(shares)),
-            prompt_seed=config.seed * 1000 + i,
-            consumed_prompt_ids=skip,
-            rollout=RolloutConfig(
-                group_size=config.group_size,
-                max_concurrency=config.max_concurrency,
-                batch_size=share,
-                sync_every=config.sync_every,
-                max_staleness=k,
-                pacing=config.pacing,
-                partial_rollout=config.effective_partial_rollout,
-                pause_mode=config.pause_mode,
-                sampling=sampling,
-            ),
-            engine=VLLMEngineConfig(
-                model=str(model_dir),
-                seed=config.seed + i,
-                max_model_len=min(MAX_MODEL_LEN_CAP, max_position_embeddings),
-                max_num_seqs=max(MIN_ENGINE_SEQS, config.max_concurrency * config.group_size),
-                initial_version=resume.version,
-            ),
-            cpu=0 if pin else None,
-            log_dir=log_dir,
-            failures_path=str((run_dir / "failures.jsonl").resolve()),
-            restore=restores[i],
-            resources=parse_resources(config.rollout_resources),
-            requeued=requeued[i],
-        )
-        for i, share in enumerate(shares)
-    )
+    model = _ModelFacts(str(model_dir), max_position_embeddings, eos_token_id)
+    replicas = _replica_plans(config, bound, model, resume, run_dir, log_dir, pin)
     trainer = TrainerPlan(
-        model_dir=str(model_dir),
+        model_dir=model.path,
         run_dir=str(run_dir),
-        ppo=PPOConfig(
-            lr=config.lr,
-            lr_schedule=config.lr_schedule,
-            min_lr_ratio=config.min_lr_ratio,
-            total_steps=config.steps,
-            max_grad_norm=config.max_grad_norm,
-            batch_size=config.batch_size,
-            ppo_epochs=config.ppo_epochs,
-            advantage=config.advantage,
-            clip_eps=config.clip_eps,
-            is_cap=config.is_cap,
-            is_level=config.is_level,
-            is_mode=config.is_mode,
-            temperature=config.temperature,
-            sync_every=config.sync_every,
-            max_staleness=k,
-            seed=config.seed,
-            checkpoint_dir=str(run_dir / "checkpoints"),
-            checkpoint_every=config.checkpoint_every,
-            keep_checkpoints=KEEP_CHECKPOINTS,
-        ),
+        ppo=_ppo_config(config, bound, run_dir),
         vision=_is_vision_task(config.task),
         resume_from=resume.checkpoint,
-        cpu=1 if pin else None,
+        cpu=TRAINER_CORE if pin else None,
         log_dir=log_dir,
         world_size=config.trainer_workers,
+        dp_strategy=DP_STRATEGY,
+        dp_timeout_s=DP_TIMEOUT_S,
         resources=parse_resources(config.trainer_resources),
+        staleness=bound,
+        fallback_pad_token_id=FALLBACK_PAD_TOKEN_ID,
     )
     return RunPlan(
         queue_maxsize=queue_maxsize(config),
@@ -335,6 +405,159 @@ def plan(
         ray_num_cpus=ray_num_cpus(config),
         steps=config.steps,
         resume=resume,
+        staleness=bound,
+    )
+
+
+@dataclass(frozen=True)
+class _ModelFacts:
+    path: str
+    max_position_embeddings: int
+    eos_token_id: int | None
+
+
+def _replica_plans(
+    config: TrainConfig,
+    bound: StalenessBound,
+    model: _ModelFacts,
+    resume: ResumePoint,
+    run_dir: Path,
+    log_dir: str | None,
+    pin: bool,
+) -> tuple[ReplicaPlan, ...]:
+    """One plan per rollout replica, each with its share of the batch and of a resume's
+    in-flight and queued groups."""
+    shares = split_batch(config.batch_size, config.rollout_replicas)
+    restores = redistribute(resume.inflight, shares)
+    skip = resume.consumed_prompt_ids | restored_prompt_ids(restores) | resume.queued.prompt_ids
+    requeued = deal_count(len(resume.queued.items), shares)
+    return tuple(
+        ReplicaPlan(
+            replica=i,
+            replicas=len(shares),
+            model_dir=model.path,
+            task=task_name(config),
+            task_options=task_options(config, run_dir, i, len(shares)),
+            prompt_seed=config.seed * PROMPT_SEED_STRIDE + i,
+            consumed_prompt_ids=skip,
+            rollout=_rollout_config(config, bound, share, model.eos_token_id),
+            engine=_engine_config(config, model, replica=i, version=resume.version),
+            cpu=ENGINE_CORE if pin else None,
+            log_dir=log_dir,
+            failures_path=str((run_dir / "failures.jsonl").resolve()),
+            restore=restores[i],
+            resources=parse_resources(config.rollout_resources),
+            requeued=requeued[i],
+        )
+        for i, share in enumerate(shares)
+    )
+
+
+def _rollout_config(
+    config: TrainConfig, bound: StalenessBound, share: int, eos_token_id: int | None
+) -> RolloutConfig:
+    sampling = SamplingConfig(
+        max_tokens=config.max_tokens,
+        temperature=config.temperature,
+        top_p=TOP_P,
+        top_k=TOP_K,
+        seed=SAMPLING_SEED,
+        stop_token_ids=() if eos_token_id is None else (eos_token_id,),
+        ignore_eos=IGNORE_EOS,
+    )
+    return RolloutConfig(
+        group_size=config.group_size,
+        max_concurrency=config.max_concurrency,
+        groups_per_step=share,
+        sync_every=config.sync_every,
+        max_staleness=bound.max_staleness,  # the plan's one bound (see `staleness_bound`)
+        pacing=config.pacing,
+        pacing_margin=PACING_MARGIN,
+        partial_rollout=config.effective_partial_rollout,
+        pause_mode=config.pause_mode,
+        clear_cache=CLEAR_CACHE_ON_PAUSE,
+        sampling=sampling,
+        reward_workers=REWARD_WORKERS,
+        stop_timeout_s=ROLLOUT_STOP_TIMEOUT_S,
+        max_consecutive_failures=MAX_CONSECUTIVE_FAILURES,
+        recent_failures=RECENT_FAILURES_KEPT,
+    )
+
+
+def _engine_config(
+    config: TrainConfig, model: _ModelFacts, *, replica: int, version: int
+) -> VLLMEngineConfig:
+    return VLLMEngineConfig(
+        model=model.path,
+        tokenizer=None,  # the model's own
+        dtype=ENGINE_DTYPE,
+        max_model_len=min(MAX_MODEL_LEN_CAP, model.max_position_embeddings),
+        kv_cache_gib=KV_CACHE_GIB,
+        enforce_eager=ENFORCE_EAGER,
+        seed=config.seed + replica,
+        max_num_seqs=max(MIN_ENGINE_SEQS, config.max_concurrency * config.group_size),
+        enable_prefix_caching=PREFIX_CACHING,
+        logprobs_mode=LOGPROBS_MODE,
+        worker_extension_cls=WEIGHT_SYNC_EXTENSION,
+        weight_transport=WEIGHT_TRANSPORT,
+        shm_dir=SHM_DIR,
+        warmup=ENGINE_WARMUP,
+        initial_version=version,
+        cpu_affinity=None,  # the actor pins itself and its engine (`ReplicaPlan.cpu`)
+        io_threads=ENGINE_IO_THREADS,
+        stream_interval=STREAM_INTERVAL,
+        shutdown_timeout_s=ENGINE_SHUTDOWN_TIMEOUT_S,
+        extra_engine_args={},
+        image_token_id=None,  # the actor sets a vision task's (its processor knows it)
+    )
+
+
+def _ppo_config(config: TrainConfig, bound: StalenessBound, run_dir: Path) -> PPOConfig:
+    return PPOConfig(
+        lr=config.lr,
+        weight_decay=WEIGHT_DECAY,
+        adam_betas=ADAM_BETAS,
+        adam_eps=ADAM_EPS,
+        max_grad_norm=config.max_grad_norm,
+        lr_schedule=config.lr_schedule,
+        warmup_steps=WARMUP_STEPS,
+        total_steps=config.steps,
+        min_lr_ratio=config.min_lr_ratio,
+        batch_size=config.batch_size,
+        ppo_epochs=config.ppo_epochs,
+        num_minibatches=NUM_MINIBATCHES,
+        grad_accum=GRAD_ACCUM,
+        clip_eps=config.clip_eps,
+        clip_eps_high=CLIP_EPS_HIGH,
+        dual_clip=DUAL_CLIP,
+        is_cap=config.is_cap,
+        is_level=config.is_level,
+        is_mode=config.is_mode,
+        use_behaviour_logprobs=USE_BEHAVIOUR_LOGPROBS,
+        temperature=config.temperature,
+        loss_agg=LOSS_AGG,
+        loss_agg_horizon=None,  # only the seq-mean-token-sum-norm aggregation uses it
+        kl_coef=KL_COEF,
+        kl_estimator=KL_ESTIMATOR,
+        kl_clamp=KL_CLAMP,
+        entropy_coef=ENTROPY_COEF,
+        advantage=config.advantage,
+        norm_std=NORM_STD,
+        adv_eps=ADV_EPS,
+        gamma=GAE_GAMMA,
+        lam=GAE_LAMBDA,
+        whiten_advantages=WHITEN_ADVANTAGES,
+        vf_coef=VF_COEF,
+        value_clip=VALUE_CLIP,
+        value_lr=None,  # the value head learns at the policy's rate
+        sync_every=config.sync_every,
+        max_staleness=bound.max_staleness,  # the plan's one bound (see `staleness_bound`)
+        initial_version=TRAINER_INITIAL_VERSION,
+        background_push=BACKGROUND_PUSH,
+        seed=config.seed,
+        checkpoint_dir=str(run_dir / "checkpoints"),
+        checkpoint_every=config.checkpoint_every,
+        keep_checkpoints=KEEP_CHECKPOINTS,
     )
 
 

@@ -3,18 +3,51 @@
 Never used by the app itself (its engine is vLLM). Tests of scheduling and of faults
 (replicas, restarts, the chaos suite) pass `fake_engines` as `run(..., adjust_plan=...)`: the
 real Ray, queue, trainer and driver with engines that start in milliseconds and produce
-random tokens.
+random tokens. `local_ray_cluster` is the one local cluster those tests' fixtures start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+from collections.abc import Iterator
+from pathlib import Path
 
 from rollout_engine.testing import FakeEngineConfig
 
 from train_app.plan import RunPlan
 
-__all__ = ["fake_engines"]
+__all__ = ["TEST_CLUSTER_CPUS", "fake_engines", "local_ray_cluster"]
+
+# CPUs of a test cluster: two rollouters, the trainer and one spare for a replacement
+# rollouter starting while a dead one's CPU is being released.
+TEST_CLUSTER_CPUS = 4
+
+
+@contextlib.contextmanager
+def local_ray_cluster(work_dir: Path, num_cpus: int = TEST_CLUSTER_CPUS) -> Iterator[str]:
+    """A local Ray cluster started as the app starts its own (`start_local_ray`: retried
+    under load, orphans of SIGKILLed actors reaped), with the app's worker environment;
+    yields its GCS address (`run` and subprocesses join it). A cluster already up in this
+    process (another module's, with another environment) is shut down first."""
+    import ray
+
+    from train_app.driver import WORKER_ENV, start_local_ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    env = {**WORKER_ENV, "TORCHINDUCTOR_CACHE_DIR": str(work_dir / ".inductor")}
+    options = {
+        "log_to_driver": False,
+        "runtime_env": {"env_vars": env},
+        "_temp_dir": os.environ.get("RAY_TMPDIR", "/tmp/ray"),
+    }
+    start_local_ray(num_cpus=num_cpus, options=options)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
 
 
 def fake_engines(

@@ -4,7 +4,7 @@
 - `QueueBatchSource`: the queue -> the trainer (decodes groups into the trainer's own struct).
 - `RolloutWeightSink`: the trainer's weight sink -> every rollouter actor (awaited Ray calls).
 
-Elastic rollouters (the driver restarts a dead replica, `train_app.run`): each queue item's
+Elastic rollouters (the driver restarts a dead replica, `driver.supervisor`): each queue item's
 `item_id` is its group's prompt id, so a replacement replica can skip the prompts its
 predecessor left queued; `QueueBatchSource` hands each prompt id to the trainer at most once
 (a backstop for the rare prompt regenerated anyway); `RolloutWeightSink` skips a dead
@@ -62,7 +62,7 @@ class QueueBatchSource:
     It hands each prompt id over at most once: `taken` starts with the prompts trained on
     before a `--resume` and grows with every group handed out. A group whose prompt was
     already taken (a replacement replica regenerated a prompt its predecessor had delivered:
-    see `train_app.run`) is dropped and counted in `duplicates`. After a `--resume` the queue
+    see `driver.supervisor`) is dropped and counted in `duplicates`. After a `--resume` the queue
     is new and each replica's `PromptSource` already left out the prompts trained on before
     (`train_app.prompts`), so normally nothing is dropped.
     """

@@ -1,0 +1,202 @@
+"""What a run writes as it goes and at its end: one metrics row per trainer step (the
+rollouters', the queue's and the trainer's figures), the progress bar, failures.json,
+summary.json, the reward plot and the terminal summary."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from train_app.driver.aio import await_ref
+from train_app.outputs import MetricsWriter, plot_run, print_summary
+from train_app.plan import RunPlan
+from train_app.replica_metrics import aggregate_replica_metrics
+
+__all__ = ["METRICS_TIMEOUT_S", "Reporter", "RunResult", "progress_bar"]
+
+# Seconds each actor has to answer a metrics poll; a late answer is asked again next poll.
+METRICS_TIMEOUT_S = 5.0
+# The summary's reward figures average the first and the last tenth of the steps.
+SUMMARY_FRACTION = 10
+
+
+@dataclass
+class RunResult:
+    """A finished run: its directory and summary.json's content."""
+
+    run_dir: Path
+    summary: dict[str, Any]
+
+
+class Reporter:
+    """The run's metrics rows and outputs. `timings` are the seconds of each start-up phase
+    (summary.json's `startup`): prepare (model, plan) and ray (start or join) side by side,
+    prepare_and_ray (both); actors (engines and the trainer's model load side by side;
+    engine and trainer_load are each one's own); to_training (all of that); first_step
+    (from train() to the first metrics row) and first_push (its weight sync)."""
+
+    def __init__(self, run_plan: RunPlan, console: Console) -> None:
+        self.plan = run_plan
+        self.console = console
+        self.run_dir = Path(run_plan.trainer.run_dir)
+        self.writer: MetricsWriter | None = None
+        self.records: list[dict[str, Any]] = []
+        self.kept_records = 0
+        """Rows of a resumed run's earlier steps (not this driver's)."""
+        self.rollout_metrics: dict[str, Any] = {}
+        self.timings: dict[str, float] = {}
+
+    def open(self) -> None:
+        """The metrics file; a resumed run continues from its checkpoint's step (later
+        history is rewound) and first writes the rows its checkpoint holds."""
+        self.writer = MetricsWriter(self.run_dir, resume_step=self.plan.resume.step)
+        self.records = list(self.writer.kept)
+        self._write_pending_rows()
+        self.kept_records = len(self.records)
+
+    def _write_pending_rows(self) -> None:
+        """A resumed run: the rows its checkpoint holds that the previous driver had not
+        written (it died between the trainer's step and its next metrics poll)."""
+        from train_app.actors import PENDING_ROWS_FILE
+
+        if self.plan.resume.checkpoint is None:
+            return
+        path = Path(self.plan.resume.checkpoint) / PENDING_ROWS_FILE
+        if not path.exists():
+            return
+        last = self.records[-1]["step"] if self.records else 0
+        assert self.writer is not None
+        for step, metrics in json.loads(path.read_text()):
+            if last < step <= (self.plan.resume.step or 0):
+                # The trainer's figures only: the rollout and queue ones of then are gone.
+                row = {**metrics, "recovered_from_checkpoint": True}
+                self.writer.log(row, step)
+                self.records.append({"step": step, **row})
+                last = step
+
+    async def collect(self, rollouts: list[Any], queue: Any, trainer: Any, restarts: int) -> None:
+        """Rollout metrics of every replica (aggregated), the queue's, and the trainer's new
+        per-step records; one row per trainer step goes to the writer."""
+        if trainer is None:
+            return
+        replies = await asyncio.gather(
+            *(asyncio.wait_for(await_ref(r.metrics.remote()), METRICS_TIMEOUT_S) for r in rollouts),
+            return_exceptions=True,
+        )
+        if not any(isinstance(r, BaseException) for r in replies):  # else keep the last ones
+            self.rollout_metrics = aggregate_replica_metrics(replies)
+        try:
+            queue_metrics = (await asyncio.wait_for(queue.stats(), METRICS_TIMEOUT_S)).as_metrics()
+        except Exception:
+            queue_metrics = {}
+        written = self.records[-1]["step"] if len(self.records) > self.kept_records else None
+        try:
+            drain = trainer.drain_metrics.remote(written)
+            records = await asyncio.wait_for(await_ref(drain), METRICS_TIMEOUT_S)
+        except Exception:
+            records = []  # sent again next time (kept by the trainer until written)
+        for step, metrics in records:
+            self._write_row(step, {**self.rollout_metrics, **queue_metrics, **metrics}, restarts)
+
+    def _write_row(self, step: int, record: dict[str, Any], restarts: int) -> None:
+        assert self.writer is not None
+        record["rollout/restarts"] = float(restarts)
+        queued = self.plan.resume.queued
+        if queued.saved:  # what a resume did with its checkpoint's queued groups
+            record["queue/resume_requeued"] = float(len(queued.items))
+            record["queue/resume_dropped_stale"] = float(queued.dropped_stale)
+            record["queue/resume_dropped_tokens"] = float(queued.dropped_tokens)
+        self.writer.log(record, step)
+        self.records.append({"step": step, **record})
+
+    async def write_failures(self, rollouts: list[Any]) -> None:
+        failures = await asyncio.gather(
+            *(await_ref(r.failures.remote()) for r in rollouts), return_exceptions=True
+        )
+        (self.run_dir / "failures.json").write_text(
+            json.dumps(
+                [f for replica in failures if isinstance(replica, list) for f in replica],
+                indent=1,
+            )
+        )
+
+    def progress_info(self) -> str:
+        if not self.records:
+            return "waiting for the first batch"
+        last = self.records[-1]
+        return (
+            f"reward {last.get('reward/mean', 0):.3f}  "
+            f"staleness {last.get('staleness/mean', 0):.2f}/{last.get('staleness/max', 0):.0f}  "
+            f"{last.get('tokens/s', 0):,.0f} tok/s  queue {last.get('queue/size', 0):.0f}"
+        )
+
+    def finish(
+        self,
+        trainer_summary: dict[str, Any],
+        train_s: float,
+        groups: dict[str, Any],
+        signum: int | None,
+    ) -> RunResult:
+        """summary.json, the plot and the terminal summary; `signum`: the signal that
+        stopped the run, if one did."""
+        assert self.writer is not None
+        self.writer.close()
+        summary = self._summary(train_s)
+        if signum is not None:
+            summary["interrupted_by"] = signal.Signals(signum).name
+            summary["checkpoint_step"] = trainer_summary.get("checkpoint_step")
+        full = {
+            **summary,
+            "groups": groups,
+            "startup": {k: round(v, 2) for k, v in self.timings.items()},
+        }
+        full["trainer_rank_steps"] = trainer_summary.get("rank_steps", [])
+        (self.run_dir / "summary.json").write_text(json.dumps(full, indent=2))
+        print_summary(summary, self.console)
+        return RunResult(self.run_dir, full)
+
+    def _summary(self, train_s: float) -> dict[str, Any]:
+        assert self.writer is not None
+        plot = plot_run(self.records, self.run_dir / "reward.png", title=str(self.run_dir.name))
+        rewards = [r["reward/mean"] for r in self.records if "reward/mean" in r]
+        tenth = max(1, len(rewards) // SUMMARY_FRACTION)
+        staleness = [r["staleness/max"] for r in self.records if "staleness/max" in r]
+        return {
+            "run_dir": str(self.run_dir),
+            "steps": len(self.records),
+            "startup_s": round(self.timings.get("to_training_s", 0.0), 1),
+            "train_wall_s": round(train_s, 1),
+            "reward_first_tenth": statistics.fmean(rewards[:tenth]) if rewards else float("nan"),
+            "reward_last_tenth": statistics.fmean(rewards[-tenth:]) if rewards else float("nan"),
+            "staleness_max": max(staleness) if staleness else 0,
+            "weight_version": self.records[-1].get("trainer/version", "") if self.records else "",
+            "event_loop_lag_p99_ms": self.rollout_metrics.get("event_loop/lag_ms_p99", ""),
+            "rollout_failed": self.rollout_metrics.get("rollout/failed", 0),
+            "plot": str(plot),
+            "metrics": str(self.writer.path),
+        }
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def progress_bar(console: Console, enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=console,
+        disable=not enabled,
+        transient=False,
+    )
