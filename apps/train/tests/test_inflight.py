@@ -229,6 +229,7 @@ def test_the_driver_resumes_with_the_latest_checkpoints_partials(tmp_path: Path)
         _snapshot(_group("s1000-0", 3), _group("s1000-5", 4)), inflight_path(checkpoint, 0)
     )
     save_snapshot(_snapshot(_group("s1001-2", 1)), inflight_path(checkpoint, 1))
+    (tmp_path / "config.toml").write_text("")  # a run directory, as `--resume` checks
     config = TrainConfig(resume=tmp_path, rollout_replicas=1, batch_size=4, group_size=2)
 
     resume = resume_point(config, tmp_path)
