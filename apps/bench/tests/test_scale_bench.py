@@ -27,8 +27,8 @@ def test_sizes_have_the_parameter_counts_they_are_named_for() -> None:
     assert SIZES["0.5B"].dtype == "bfloat16"
 
 
-# Two vLLM engines, four trainer runs, a queue run: measured 6-9 min at load 15-30 (2 cores
-# shared with other work); on a quiet machine about 2 min.
+# Two vLLM engines, four trainer runs, a queue run: the bench's --quick run measured 10-11 min
+# at load 15-25 on 2 shared cores (2-3 of them Ray start-up retries); not timed quiet.
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_quick_scale_bench_reports_every_figure(tmp_path: Path) -> None:
