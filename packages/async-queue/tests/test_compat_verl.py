@@ -24,7 +24,9 @@ from async_queue import QueueClosed, SyncClientInEventLoopError
 verl_mq = pytest.importorskip("verl.experimental.fully_async_policy.message_queue")
 compat = pytest.importorskip("async_queue.compat.verl")
 
-pytestmark = pytest.mark.usefixtures("ray_logs_dir")
+# Each test starts 2-6 Ray actors: all 9 took 232 s at load 21 on this 2-core machine (shared
+# with other jobs), 6-28 s each.
+pytestmark = [pytest.mark.usefixtures("ray_logs_dir"), pytest.mark.slow]
 
 WAIT = 60.0
 COMMON_STATS = ("queue_size", "total_produced", "total_consumed", "dropped_samples")
@@ -79,7 +81,7 @@ async def _put_get_script(client: Any) -> list[Any]:
 
 
 async def test_put_get_statistics_clear_and_validation_match(clients: Factory) -> None:
-    """The same script gives the same results on both queues (~3 s)."""
+    """The same script gives the same results on both queues."""
     theirs, ours = await clients()
     expected = await _put_get_script(theirs)
     assert expected[:4] == [True, True, 2, (b"a", 1)]
@@ -89,7 +91,7 @@ async def test_put_get_statistics_clear_and_validation_match(clients: Factory) -
 
 
 async def test_sentinel_arrives_as_a_tuple_on_both(clients: Factory) -> None:
-    """`put_sample(None)` is the end-of-stream sentinel; it arrives as `(None, n)` (~2 s)."""
+    """`put_sample(None)` is the end-of-stream sentinel; it arrives as `(None, n)`."""
     theirs, ours = await clients()
     for client in (theirs, ours):
         await client.put_sample(b"last")
@@ -101,7 +103,7 @@ async def test_sentinel_arrives_as_a_tuple_on_both(clients: Factory) -> None:
 async def test_full_queue_drops_oldest_only_when_asked(clients: Factory) -> None:
     """verl drops the oldest sample and returns False. Ours does the same, counted, with
     `on_full="drop_oldest"`; by default (difference) a put into a full queue waits for room
-    and returns True once a get made some (~3 s)."""
+    and returns True once a get made some."""
     theirs, dropping = await clients(2, on_full="drop_oldest")
     results = {}
     for name, client in (("verl", theirs), ("ours", dropping)):
@@ -127,7 +129,7 @@ async def test_shutdown_with_consumers_waiting(clients: Factory) -> None:
     """Shutdown while two consumers wait, and after it: verl returns a bare None (its
     callers unpack it: TypeError); ours raises QueueClosed (difference), or returns the
     sentinel tuple with `legacy_none=True`. Samples queued before shutdown are still
-    delivered by all three (~3 s)."""
+    delivered by all three."""
     theirs, ours = await clients()
     legacy = (await clients(8, legacy_none=True))[1]
     outcomes: dict[str, list[Any]] = {}
@@ -174,7 +176,7 @@ async def _produce_consume(client: Any, producers: int, per_producer: int) -> li
 
 async def test_concurrent_producers_and_consumers(clients: Factory) -> None:
     """4 producers and 2 consumers at once, 100 samples: on both, every sample is delivered
-    once, each producer's samples in its order, and the counters balance (~4 s). (The
+    once, each producer's samples in its order, and the counters balance. (The
     queues hold all 100: verl's would drop samples, and its consumers then wait forever.)"""
     theirs, ours = await clients(128)
     for client in (theirs, ours):
@@ -196,7 +198,7 @@ async def test_concurrent_producers_and_consumers(clients: Factory) -> None:
 
 async def test_sync_helpers_refuse_a_running_loop_and_work_off_it(clients: Factory) -> None:
     """verl's `get_queue_size_sync` blocks the calling loop with `ray.get`; ours raises
-    `SyncClientInEventLoopError` there (difference). Off the loop both answer (~2 s)."""
+    `SyncClientInEventLoopError` there (difference). Off the loop both answer."""
     theirs, ours = await clients()
     await theirs.put_sample(b"x")
     await ours.put_sample(b"x")
@@ -214,7 +216,7 @@ async def test_ours_keeps_param_version_and_large_samples_stay_out_of_the_actor(
 ) -> None:
     """The earlier API's `put_sample(sample, param_version)` works (verl 0.9.1 dropped the
     argument). Samples of 1 MiB go by reference: delivered intact, and the actor's memory
-    report counts none of their bytes; a cancelled get loses no sample (~3 s)."""
+    report counts none of their bytes; a cancelled get loses no sample."""
     theirs, ours = await clients()
     with pytest.raises(TypeError):
         await theirs.put_sample(b"s", 3)
@@ -236,7 +238,7 @@ async def test_ours_keeps_param_version_and_large_samples_stay_out_of_the_actor(
 
 
 async def test_non_bytes_samples_round_trip(clients: Factory) -> None:
-    """Any picklable sample (verl's direct actor calls allow it) arrives equal (~2 s)."""
+    """Any picklable sample (verl's direct actor calls allow it) arrives equal."""
     theirs, ours = await clients()
     sample = {"tokens": [1, 2, 3], "reward": 0.5}
     for client in (theirs, ours):
@@ -265,7 +267,7 @@ async def test_trainer_loop_at_shutdown(clients: Factory) -> None:
     """The trainer wants 4 samples, the run shuts down after 2: with verl's queue its loop
     dies on `TypeError` (it unpacks the bare None); with ours it stops cleanly, on
     `QueueClosed` (the end of stream, which the trainer can catch) or, with `legacy_none`,
-    through its own None check, returning `(None, None)` (~3 s)."""
+    through its own None check, returning `(None, None)`."""
     theirs, ours = await clients()
     legacy = (await clients(8, legacy_none=True))[1]
     for client in (theirs, ours, legacy):
