@@ -67,7 +67,9 @@ def test_vision_drop_ins(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # a fresh local Ray in a subprocess: 20-60 s here, more on a loaded machine
 def test_verl_queue_swap() -> None:
-    out = _run(_snippets()["async_queue"], {"RAY_ADDRESS": "local"}, 300)
+    # A loaded machine may need more than the default 30 s to register the raylet.
+    env = {"RAY_ADDRESS": "local", "RAY_raylet_start_wait_time_s": "120"}
+    out = _run(_snippets()["async_queue"], env, 300)
     assert out.splitlines()[-3:] == [
         "(b'a rollout sample', 1)",
         "(None, 0)",
