@@ -511,7 +511,11 @@ def run(quick: bool) -> BenchReport:
     temp_dir = None
     if not ray.is_initialized():
         temp_dir = tempfile.mkdtemp(prefix="aqbench", dir="/tmp")
-        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+        except BaseException:  # e.g. the raylet did not start in time on a loaded machine
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            raise
     cases = _cases(quick)
     try:
         rows = asyncio.run(_run_all(cases))
