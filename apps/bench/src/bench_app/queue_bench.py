@@ -26,7 +26,8 @@ How each side is driven (its natural API, and the baseline's best use of it):
 - verl 0.9.1's fully-async `MessageQueue` (when verl is installed; the workspace's dev group
   has it), on the batched 1 KiB, single 256 KiB and batched 4 MiB cases, driven as verl's
   rollouter and trainer drive it: `await client.put_sample(bytes)` (a "batch" is that many
-  puts at once), and `await client.get_sample()` one at a time. Its samples are bare bytes
+  puts at once, sent once the queue has room for them: verl's queue drops when full), and
+  `await client.get_sample()` one at a time. Its samples are bare bytes
   (no `produced_at`), so its rows have no latency. The "verl_compat" rows run the same
   actors on `async_queue.compat.verl` (the one-import swap), same calls.
 - "single" cases measure single-item puts the way a rollouter makes them: `SINGLE_WINDOW`
@@ -296,6 +297,11 @@ def _verl_contenders() -> dict[str, Contender]:
             started = time.time()
             for start in range(0, case.items, case.batch):
                 count = min(case.batch, case.items - start)
+                # verl's queue drops the oldest sample when full (its consumer would then
+                # wait forever for the rest): wait for room first, as its rollouter's
+                # staleness control does. The compat queue gets the same calls.
+                while await client.get_queue_size() + count > case.maxsize:  # noqa: ASYNC110 (a remote queue: no event to await)
+                    await asyncio.sleep(RETRY_S)
                 await asyncio.gather(
                     *(client.put_sample(payload[(start + k) % len(payload)]) for k in range(count))
                 )
