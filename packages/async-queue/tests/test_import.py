@@ -28,3 +28,13 @@ def test_core_imports_without_ray() -> None:
         "from async_queue import MessageQueue, QueueItem, QueueStats, QueueClosed\n"
         "assert 'ray' not in sys.modules, 'the core must not import ray'\n"
     )
+
+
+def test_verl_compat_needs_no_verl() -> None:
+    """The drop-in imports neither verl nor what verl brings (it runs where verl does not)."""
+    run_python(
+        "import sys\n"
+        "from async_queue.compat.verl import MessageQueue, MessageQueueClient\n"
+        "heavy = {'verl', 'omegaconf', 'torch', 'tensordict'} & set(sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )

@@ -33,6 +33,7 @@ from async_queue.errors import PutWithdrawn
 pytestmark = pytest.mark.usefixtures("ray_logs_dir")
 
 WAIT = 60.0
+BUSY_S = 90.0  # how long a producer's other call slot stays busy (the put must not wait it)
 MIB = 1024 * 1024
 
 
@@ -66,6 +67,11 @@ async def _held_once_settled() -> int:
         if _handover.held_tokens() == 0:
             break
         await asyncio.sleep(0.1)
+    return _handover.held_tokens()
+
+
+def _held_in_producer(_producer: Any) -> int:
+    """Runs in a producer (`__ray_call__`): how many puts' payloads it still holds."""
     return _handover.held_tokens()
 
 
@@ -247,3 +253,87 @@ async def test_failed_and_cancelled_pulled_puts_leave_nothing_behind() -> None:
     ray.kill(producer)
     ray.kill(client.handle)
     ray.kill(closed.handle)
+
+
+@ray.remote(num_cpus=0)
+class BusyThreadedProducer:
+    """A threaded actor whose call slots can be taken by other work than its puts."""
+
+    def put(self, queue: SyncMessageQueueClient, items: list[QueueItem]) -> str | None:
+        """Puts `items`; returns why pulling is off in this process (None: it is on)."""
+        queue.put_many(items)
+        return _handover._disabled
+
+    def busy(self, seconds: float) -> None:
+        time.sleep(seconds)  # holds one call slot, as a long method of a user's actor would
+
+    def put_with_broken_ray_fields(
+        self, queue: SyncMessageQueueClient, items: list[QueueItem]
+    ) -> str | None:
+        """Reading Ray's private worker fields raises something else than AttributeError."""
+
+        def broken(_worker: Any) -> tuple[Any, int]:
+            raise RuntimeError("a changed core worker")
+
+        _handover._concurrency = broken
+        _handover._this_actor = None
+        queue.put_many(items[:1])
+        queue.put_many(items[1:])
+        return _handover._disabled
+
+
+async def test_threaded_producer_with_two_slots_making_two_large_puts_at_once() -> None:
+    """max_concurrency=2 and two large puts at once: before, both pulled and both slots
+    waited in `ray.get`, so neither hand-over was ever served (a hang). Now the second put
+    sees no free slot for a hand-over and copies: both return, both are delivered intact
+    (~3 s)."""
+    client = SyncMessageQueueClient.create(maxsize=16)
+    producer = ThreadedProducer.options(max_concurrency=2).remote()
+    first, second = [_item(i) for i in range(2)], [_item(i) for i in range(2, 4)]
+    await asyncio.wait_for(
+        asyncio.gather(producer.put.remote(client, first), producer.put.remote(client, second)),
+        WAIT,
+    )
+    assert await producer.__ray_call__.remote(_held_in_producer) == 0
+    got = await asyncio.wait_for(client.to_async().get_batch(4, min_items=4), WAIT)
+    assert sorted(got, key=lambda i: i.item_id) == first + second
+    ray.kill(producer)
+    ray.kill(client.handle)
+
+
+async def test_hand_over_timeout_fails_the_pull_and_the_put_is_copied() -> None:
+    """The producer's other slot is busy in a method of its own, so the hand-over cannot
+    run: the queue actor gives up after `hand_over_timeout_s` (nothing queued), the client
+    turns pulling off in its process and sends the put again by copying. The put returns
+    well before the busy method ends, and its items arrive once (~4 s)."""
+    client = SyncMessageQueueClient.create(maxsize=16, hand_over_timeout_s=1.0)
+    producer = BusyThreadedProducer.options(max_concurrency=2).remote()
+    busy = producer.busy.remote(BUSY_S)
+    await asyncio.sleep(0.5)  # the busy call holds its slot before the put starts
+    items = [_item(i) for i in range(2)]
+    started = time.monotonic()
+    reason = await asyncio.wait_for(producer.put.remote(client, items), BUSY_S)
+    # Not served only once `busy` ended (the margin is for the copying path's helper actor,
+    # which a loaded machine may take many seconds to start).
+    assert time.monotonic() - started < BUSY_S - 30.0
+    assert reason is not None and "timed out" in reason
+    assert await client.handle.__ray_call__.remote(_adopter_started)  # copied
+    got = await client.to_async().get_batch(4, timeout=2.0)
+    assert got == items  # once each: the timed-out pull queued nothing
+    ray.kill(producer)
+    del busy
+    ray.kill(client.handle)
+
+
+async def test_any_error_reading_rays_worker_fields_falls_back_to_copying() -> None:
+    """Not only AttributeError: any exception while reading Ray's private worker fields
+    turns pulling off (one warning) and every put copies instead of failing (~3 s)."""
+    client = SyncMessageQueueClient.create(maxsize=16)
+    producer = BusyThreadedProducer.options(max_concurrency=4).remote()
+    items = [_item(i) for i in range(3)]
+    reason = await producer.put_with_broken_ray_fields.remote(client, items)
+    assert reason is not None and "RuntimeError: a changed core worker" in reason
+    assert await client.handle.__ray_call__.remote(_adopter_started)
+    assert await client.to_async().get_batch(3, min_items=3) == items
+    ray.kill(producer)
+    ray.kill(client.handle)

@@ -23,6 +23,13 @@ How each side is driven (its natural API, and the baseline's best use of it):
   1 ms when the batch does not fit (`Full`). The consumer first tries `get_nowait_batch(n)`
   (one call when there is a backlog); on `Empty` it blocks in `get()` for one item, then takes
   `min(qsize, n - 1)` more.
+- verl 0.9.1's fully-async `MessageQueue` (when verl is installed; the workspace's dev group
+  has it), on the batched 1 KiB, single 256 KiB and batched 4 MiB cases, driven as verl's
+  rollouter and trainer drive it: `await client.put_sample(bytes)` (a "batch" is that many
+  puts at once, sent once the queue has room for them: verl's queue drops when full), and
+  `await client.get_sample()` one at a time. Its samples are bare bytes
+  (no `produced_at`), so its rows have no latency. The "verl_compat" rows run the same
+  actors on `async_queue.compat.verl` (the one-import swap), same calls.
 - "single" cases measure single-item puts the way a rollouter makes them: `SINGLE_WINDOW`
   generation tasks each put one item at a time, concurrently, through one client (async_queue
   coalesces them into few actor calls). Both consumers take batches of up to 64 (the
@@ -50,6 +57,11 @@ TARGET_ITEMS_S = 5_000.0  # batched 1 KiB through the actor
 TARGET_RATIO = 3.0  # vs ray.util.queue.Queue doing the same
 TARGET_RATIO_4M = 2.0  # batched 4 MiB (by reference) vs ray.util.queue.Queue
 TARGET_RSS_MB = 150.0  # the queue actor's peak RSS after 1 GiB of 4 MiB items
+TARGET_RATIO_VS_VERL_4M = 2.0  # batched 4 MiB vs verl's MessageQueue
+TARGET_RSS_VS_VERL = 0.1  # the queue actor's peak RSS as a fraction of verl's, after 1 GiB
+# The cases verl's queue (and the compat one) also run: its calls carry one sample each.
+VERL_CASE_KEYS = ("batched_1k", "single_256k", "batched_4m")
+VERL_CONTENDERS = ("verl_queue", "verl_compat")
 RETRY_S = 0.001  # ray queue producer back-off when a batch does not fit
 SINGLE_WINDOW = 64  # concurrent single puts in the "single" cases
 SINGLE_CONSUMER_BATCH = 64
@@ -247,7 +259,7 @@ def _define_contenders() -> dict[str, Contender]:
                 latencies.extend(now - item.produced_at for item in items)
             return time.time(), latencies
 
-    return {
+    contenders = {
         "async_queue": Contender(
             make_queue=lambda case: MessageQueueClient.create(
                 maxsize=case.maxsize, by_ref_owner=case.owner, by_ref_pull=case.pull
@@ -261,6 +273,54 @@ def _define_contenders() -> dict[str, Contender]:
             batched=(RayQueueBatchProducer, RayQueueBatchConsumer),
         ),
     }
+    contenders.update(_verl_contenders())
+    return contenders
+
+
+def _verl_contenders() -> dict[str, Contender]:
+    """verl's queue and the compat one, driven alike (module doc); none without verl."""
+    import ray
+
+    try:
+        from verl.experimental.fully_async_policy import message_queue as verl_mq
+    except ImportError:
+        return {}
+    from async_queue.compat import verl as compat
+
+    @ray.remote(num_cpus=0)
+    class VerlProducer:
+        async def warm(self, client: Any, item: Any) -> None:
+            await client.put_sample(item.payload)
+
+        async def run(self, client: Any, case: Case) -> float:
+            payload = _payloads(case)
+            started = time.time()
+            for start in range(0, case.items, case.batch):
+                count = min(case.batch, case.items - start)
+                # verl's queue drops the oldest sample when full (its consumer would then
+                # wait forever for the rest): wait for room first, as its rollouter's
+                # staleness control does. The compat queue gets the same calls.
+                while await client.get_queue_size() + count > case.maxsize:  # noqa: ASYNC110 (a remote queue: no event to await)
+                    await asyncio.sleep(RETRY_S)
+                await asyncio.gather(
+                    *(client.put_sample(payload[(start + k) % len(payload)]) for k in range(count))
+                )
+            return started
+
+    @ray.remote(num_cpus=0)
+    class VerlConsumer:
+        async def run(self, client: Any, case: Case) -> tuple[float, list[float]]:
+            for _ in range(case.items):
+                await client.get_sample()  # one at a time, as verl's trainer collects
+            return time.time(), []
+
+    def make(module: Any) -> Contender:
+        def make_queue(case: Case) -> Any:
+            return module.MessageQueueClient(module.MessageQueue.remote(None, case.maxsize))
+
+        return Contender(make_queue, (VerlProducer, VerlConsumer), (VerlProducer, VerlConsumer))
+
+    return {"verl_queue": make(verl_mq), "verl_compat": make(compat)}
 
 
 async def _measure(name: str, contender: Contender, case: Case) -> dict[str, Any]:
@@ -274,6 +334,9 @@ async def _measure(name: str, contender: Contender, case: Case) -> dict[str, Any
     if isinstance(queue, MessageQueueClient):
         await queue.size()
         queue_handle = queue.handle
+    elif hasattr(queue, "queue_actor"):  # verl's client, or the compat one
+        await queue.get_queue_size()
+        queue_handle = queue.queue_actor
     else:
         queue_handle = queue.actor
         await queue_handle.qsize.remote()
@@ -285,6 +348,8 @@ async def _measure(name: str, contender: Contender, case: Case) -> dict[str, Any
     await producer.warm.remote(queue, warm)
     if isinstance(queue, MessageQueueClient):
         await queue.get()
+    elif hasattr(queue, "queue_actor"):
+        await queue.get_sample()
     else:
         await queue.get_async()
 
@@ -299,17 +364,26 @@ async def _measure(name: str, contender: Contender, case: Case) -> dict[str, Any
         ray.kill(handle)
     latencies.sort()
     items_s = case.items / elapsed
+    p50, p99 = _percentiles(latencies)
     return {
         "queue": name,
         "case": case.label,
         "items": case.items,
         "items/s": items_s,
         "MiB/s": items_s * case.payload_bytes / 2**20,
-        "p50 ms": 1e3 * statistics.median(latencies),
-        "p99 ms": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        "p50 ms": p50,
+        "p99 ms": p99,
         "wall s": elapsed,
         "actor peak RSS MB": peak_rss / 2**20,
     }
+
+
+def _percentiles(latencies: list[float]) -> tuple[float | None, float | None]:
+    """(p50, p99) in ms of sorted latencies; None for a queue whose items carry no stamp."""
+    if not latencies:
+        return None, None
+    p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+    return 1e3 * statistics.median(latencies), 1e3 * p99
 
 
 def _peak_rss_bytes(_actor: Any) -> int:
@@ -327,7 +401,9 @@ async def _run_all(cases: list[Case]) -> list[dict[str, Any]]:
     contenders = _define_contenders()
     rows: list[dict[str, Any]] = []
     for case in cases:
-        names = ["async_queue"] if case.variant else list(contenders)
+        names = ["async_queue"] if case.variant else ["async_queue", "ray_queue"]
+        if case.key in VERL_CASE_KEYS:
+            names += [name for name in VERL_CONTENDERS if name in contenders]
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
         for round_index in range(case.rounds):
             order = list(names)
@@ -373,6 +449,7 @@ def _figures(cases: list[Case], rows: list[dict[str, Any]], quick: bool) -> dict
     figures["met_ratio_single_1k"] = figures["ratio_single_1k"] >= TARGET_RATIO
     figures["met_ratio_batched_4m"] = figures[f"ratio_{big.key}"] >= TARGET_RATIO_4M
     figures["met_actor_peak_rss"] = figures["actor_peak_rss_mb"] < TARGET_RSS_MB
+    figures.update(_verl_figures(cases, by_case))
     figures["met"] = all(
         figures[key]
         for key in (
@@ -381,9 +458,56 @@ def _figures(cases: list[Case], rows: list[dict[str, Any]], quick: bool) -> dict
             "met_ratio_single_1k",
             "met_ratio_batched_4m",
             "met_actor_peak_rss",
+            *(("met_ratio_vs_verl_4m", "met_actor_rss_vs_verl") if "verl_ran" in figures else ()),
         )
     )
     return figures
+
+
+def _verl_figures(cases: list[Case], by_case: dict[tuple[str, str], Any]) -> dict[str, Any]:
+    """Ours (and the compat queue's) against verl's queue, per case it ran; {} without it."""
+    figures: dict[str, Any] = {}
+    for case in cases:
+        verl = by_case.get(("verl_queue", case.label))
+        if case.variant or verl is None:
+            continue
+        short = "4m" if case.key == "batched_4m" else case.key
+        figures[f"verl_{case.key}_items_s"] = round(verl["items/s"], 1)
+        ours = by_case[("async_queue", case.label)]
+        figures[f"ratio_vs_verl_{short}"] = round(ours["items/s"] / verl["items/s"], 2)
+        ours["vs verl"] = f"{ours['items/s'] / verl['items/s']:.2f}x"
+        compat = by_case.get(("verl_compat", case.label))
+        if compat is not None:
+            compat["vs verl"] = f"{compat['items/s'] / verl['items/s']:.2f}x"
+            figures[f"verl_compat_{case.key}_items_s"] = round(compat["items/s"], 1)
+            figures[f"compat_ratio_vs_verl_{short}"] = round(compat["items/s"] / verl["items/s"], 2)
+        if case.key == "batched_4m":
+            figures["verl_ran"] = True
+            figures["verl_actor_peak_rss_mb"] = round(verl["actor peak RSS MB"], 1)
+            if compat is not None:
+                figures["verl_compat_actor_peak_rss_mb"] = round(compat["actor peak RSS MB"], 1)
+            figures["target_ratio_vs_verl_4m"] = TARGET_RATIO_VS_VERL_4M
+            figures["met_ratio_vs_verl_4m"] = figures["ratio_vs_verl_4m"] >= TARGET_RATIO_VS_VERL_4M
+            figures["met_actor_rss_vs_verl"] = (
+                ours["actor peak RSS MB"] < TARGET_RSS_VS_VERL * verl["actor peak RSS MB"]
+            )
+    return figures
+
+
+def _verl_note(figures: dict[str, Any]) -> str:
+    if "verl_ran" not in figures:
+        return "verl's MessageQueue: not measured (verl is not installed)"
+    return (
+        f"vs verl 0.9.1's MessageQueue: batched 1 KiB {figures.get('ratio_vs_verl_batched_1k')}x, "
+        f"single 256 KiB {figures.get('ratio_vs_verl_single_256k')}x, 4 MiB "
+        f"{figures['ratio_vs_verl_4m']}x (target >= {TARGET_RATIO_VS_VERL_4M:g}x: "
+        f"{figures['met_ratio_vs_verl_4m']}); queue actor peak RSS after "
+        f"{figures['passed_through_mib']} MiB {figures['actor_peak_rss_mb']} MB vs verl's "
+        f"{figures['verl_actor_peak_rss_mb']} MB (target < {TARGET_RSS_VS_VERL:g}x: "
+        f"{figures['met_actor_rss_vs_verl']}); the one-import swap (async_queue.compat.verl, "
+        f"same calls): 4 MiB {figures.get('compat_ratio_vs_verl_4m')}x, actor peak RSS "
+        f"{figures.get('verl_compat_actor_peak_rss_mb')} MB"
+    )
 
 
 def run(quick: bool) -> BenchReport:
@@ -393,7 +517,11 @@ def run(quick: bool) -> BenchReport:
     temp_dir = None
     if not ray.is_initialized():
         temp_dir = tempfile.mkdtemp(prefix="aqbench", dir="/tmp")
-        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+        except BaseException:  # e.g. the raylet did not start in time on a loaded machine
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            raise
     cases = _cases(quick)
     try:
         rows = asyncio.run(_run_all(cases))
@@ -429,9 +557,13 @@ def run(quick: bool) -> BenchReport:
         f"ray queue batched: producer retries after {RETRY_S * 1e3:g} ms on Full; consumer "
         "tries get_nowait_batch(n), else get() + qsize() + get_nowait_batch",
         "rows with rounds > 1 are the median run of that many (queues alternate going first)",
+        _verl_note(figures),
     ]
     return BenchReport(
-        title="async_queue actor vs ray.util.queue.Queue (1 producer actor, 1 consumer actor)",
+        title=(
+            "async_queue actor vs ray.util.queue.Queue and verl's MessageQueue "
+            "(1 producer actor, 1 consumer actor)"
+        ),
         rows=rows,
         figures=figures,
         notes=notes,

@@ -43,14 +43,30 @@ import ray
 
 from async_queue import _handover, _wire
 from async_queue.core import MessageQueue
-from async_queue.errors import GetAbandoned, ProducerFailed, PutWithdrawn, QueueError
+from async_queue.errors import (
+    GetAbandoned,
+    HandOverTimeout,
+    ProducerFailed,
+    PutWithdrawn,
+    QueueError,
+)
 from async_queue.types import FullPolicy
 
-__all__ = ["DEFAULT_MAX_CONCURRENCY", "PayloadAdopter", "QueueActor", "start_queue_actor"]
+__all__ = [
+    "DEFAULT_HAND_OVER_TIMEOUT_S",
+    "DEFAULT_MAX_CONCURRENCY",
+    "PayloadAdopter",
+    "QueueActor",
+    "start_queue_actor",
+]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONCURRENCY = 1000
+# How long a pulled put waits for its producer to hand the payloads over. A hand-over takes
+# milliseconds when the producer has a free call slot; one that has none may never serve it,
+# so the put fails (nothing queued) and its client sends it again by copying.
+DEFAULT_HAND_OVER_TIMEOUT_S = 10.0
 # Abandons that found no get of their ticket are remembered (for a get that arrives late);
 # the oldest are forgotten beyond this many.
 _EARLY_ABANDONS_KEPT = 1024
@@ -71,7 +87,10 @@ class PayloadAdopter:
 class QueueActor:
     """Holds one `MessageQueue`. All methods are `async` so they share the actor's loop."""
 
-    def __init__(self, maxsize: int, policy: str) -> None:
+    def __init__(
+        self, maxsize: int, policy: str, hand_over_timeout_s: float = DEFAULT_HAND_OVER_TIMEOUT_S
+    ) -> None:
+        self._hand_over_timeout_s = hand_over_timeout_s
         # Items stay encoded: the actor reads only their version (see async_queue._wire).
         self._queue: MessageQueue[_wire.RawItem] = MessageQueue(maxsize, policy)
         self._gets: dict[str, asyncio.Task[list[_wire.RawItem]]] = {}  # ticket -> its get
@@ -118,15 +137,22 @@ class QueueActor:
         """Take the `Pulled` payloads of a put from its producer (see `_handover`): one call
         into the producing actor, whose second return value (the payloads, one object) this
         actor owns as that call's caller. Only the first (a count) is awaited, so the payload
-        bytes never enter this process. Raises when the producer died or the put already
-        ended there (`PutWithdrawn`): then nothing of this put is queued."""
+        bytes never enter this process. Raises when the producer died, the put already
+        ended there (`PutWithdrawn`) or the producer did not serve the call in time
+        (`HandOverTimeout`): then nothing of this put is queued."""
         pulled = [e for e in elements if isinstance(e, _wire.Pulled)]
         if not pulled:
             return elements
         call = source.producer.__ray_call__.options(num_returns=2)
         count_ref, payloads = call.remote(_handover.hand_over, source.token)
         try:
-            count = await count_ref
+            count = await asyncio.wait_for(count_ref, self._hand_over_timeout_s)
+        except TimeoutError:
+            _cancel_quietly(count_ref)  # still queued in the producer; it finds GONE if run
+            raise HandOverTimeout(
+                f"the producer did not hand the payloads over within "
+                f"{self._hand_over_timeout_s} s (no free call slot?)"
+            ) from None
         except ray.exceptions.RayError:
             # The same error is in `payloads` (no bytes to fetch): read it, so that Ray does
             # not log it as an unhandled error when the ref goes.
@@ -271,6 +297,13 @@ class QueueActor:
         return [raw.wire for raw in self._queue.items()]
 
 
+def _cancel_quietly(ref: ray.ObjectRef) -> None:
+    try:
+        ray.cancel(ref)
+    except Exception:
+        logger.debug("could not cancel a hand-over call", exc_info=True)
+
+
 @functools.cache
 def _remote_class() -> Any:
     return ray.remote(QueueActor)
@@ -330,16 +363,20 @@ def start_queue_actor(
     get_if_exists: bool = False,
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
     actor_options: dict[str, Any] | None = None,
+    hand_over_timeout_s: float = DEFAULT_HAND_OVER_TIMEOUT_S,
 ) -> ray.actor.ActorHandle:
     """Start the actor (non-blocking) and return its handle.
 
     `name` registers it so other processes can `connect(name)`; `detached=True` (needs a name)
     lets it outlive the driver that created it. It reserves no CPU (`num_cpus=0`): it is
     I/O-bound. `actor_options` are passed to `.options()` last, so they override all this.
+    `hand_over_timeout_s`: how long a pulled put waits for its producer (see `_handover`).
     """
     if maxsize < 1:
         raise ValueError(f"maxsize must be >= 1, got {maxsize}")
     policy = FullPolicy(policy)  # fail here, not inside the actor's constructor
+    if not hand_over_timeout_s > 0:
+        raise ValueError(f"hand_over_timeout_s must be > 0, got {hand_over_timeout_s}")
     if detached and name is None:
         raise ValueError("a detached queue actor needs a name (how else would you find it?)")
     options: dict[str, Any] = {"max_concurrency": max_concurrency, "num_cpus": 0}
@@ -351,4 +388,4 @@ def start_queue_actor(
         options["lifetime"] = "detached"
     options.update(actor_options or {})
     logger.debug("starting queue actor maxsize=%d policy=%s options=%s", maxsize, policy, options)
-    return _remote_class().options(**options).remote(maxsize, policy.value)
+    return _remote_class().options(**options).remote(maxsize, policy.value, hand_over_timeout_s)

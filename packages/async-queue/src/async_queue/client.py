@@ -11,8 +11,10 @@ object owned by the queue actor (so they survive the producer); the actor queues
 and the consuming client awaits each distinct ref once (see `_wire`). A producing client
 inside a Ray actor that serves concurrent calls (an async actor, or `max_concurrency` > 1)
 keeps the payloads until the queue actor pulls them (`_handover`: one write into the object
-store); any other client `ray.put`s them (in a worker thread, off the loop) and the queue
-actor copies them into an object of its own.
+store) when a call slot stays free for that; any other client `ray.put`s them (in a worker
+thread, off the loop) and the queue actor copies them into an object of its own. A pulled
+put whose producer does not hand over in time (`HandOverTimeout`: its slots were busy)
+enqueues nothing; the client then turns pulling off in its process and copies the put.
 
 Concurrent single `put`s of one async client coalesce: while one call is in flight, the
 items of further `put`s wait in the client and go together in the next call (`put_each`),
@@ -52,9 +54,14 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayError, RayTaskError
 
 from async_queue import _handover, _wire
-from async_queue.actor import DEFAULT_MAX_CONCURRENCY, start_queue_actor
+from async_queue.actor import (
+    DEFAULT_HAND_OVER_TIMEOUT_S,
+    DEFAULT_MAX_CONCURRENCY,
+    start_queue_actor,
+)
 from async_queue.core import stale_threshold
 from async_queue.errors import (
+    HandOverTimeout,
     ProducerFailed,
     QueueClosed,
     QueueError,
@@ -116,12 +123,21 @@ class _Outgoing(NamedTuple):
 
 
 def _pulled(items: Sequence[QueueItem], by_ref_bytes: int | None) -> _Outgoing | None:
-    """A pulled put of `items`, when this process is an actor that can serve the hand-over."""
+    """A pulled put of `items`, when this process is an actor that can serve the hand-over
+    (a call slot stays free for it), else None."""
     producer = _handover.producer_actor()
     if producer is None:
         return None
     elements, payloads = _wire.to_wire_pulled(items, by_ref_bytes)
-    return _Outgoing(elements, _wire.PullSource(producer, _handover.hold(payloads)))
+    token = _handover.try_hold(payloads)
+    if token is None:
+        return None
+    return _Outgoing(elements, _wire.PullSource(producer, token))
+
+
+def _hand_over_failed(exc: HandOverTimeout) -> None:
+    """A pulled put timed out in the queue actor (nothing queued): copy from now on."""
+    _handover.disable(f"a hand-over timed out ({exc})")
 
 
 def _check_batch_args(
@@ -179,24 +195,30 @@ class _PutBatcher:
             while self._pending:
                 batch = [(i, f) for i, f in self._pending if not f.done()]
                 self._pending.clear()
-                if not batch:
-                    continue
-                try:
-                    wire = await self._to_wire([i for i, _ in batch])
-                except Exception as exc:  # e.g. the object store is full
-                    _fail_all([f for _, f in batch], exc)
-                    batch = []
-                    continue
-                try:
-                    await self._send(wire, batch)
-                finally:
-                    wire.release()  # a pulled put's payloads: taken by now, or never
+                if batch:
+                    await self._deliver(batch)
                 batch = []
         except asyncio.CancelledError:  # the loop is shutting down: nobody gets an answer
             for _, future in [*batch, *self._pending]:
                 future.cancel()
             self._pending.clear()
             raise
+
+    async def _deliver(self, batch: list[tuple[QueueItem, asyncio.Future[None]]]) -> None:
+        """Send `batch`; a pulled call whose hand-over timed out is sent again, copied."""
+        for _attempt in range(2):  # the second attempt copies: it cannot time out so
+            try:
+                wire = await self._to_wire([i for i, _ in batch])
+            except Exception as exc:  # e.g. the object store is full
+                _fail_all([f for _, f in batch], exc)
+                return
+            try:
+                await self._send(wire, batch)
+                return
+            except HandOverTimeout as exc:
+                _hand_over_failed(exc)
+            finally:
+                wire.release()  # a pulled put's payloads: taken by now, or never
 
     async def _send(
         self, wire: _Outgoing, batch: list[tuple[QueueItem, asyncio.Future[None]]]
@@ -212,7 +234,10 @@ class _PutBatcher:
         try:
             outcomes = await ref
         except RayTaskError as exc:
-            _fail_all(futures, _own_error(exc) or exc)
+            own = _own_error(exc)
+            if isinstance(own, HandOverTimeout) and wire.source is not None:
+                raise own from None  # nothing was queued: `_deliver` copies it
+            _fail_all(futures, own or exc)
         except Exception as exc:  # the actor died, the call was ray.cancelled, ...
             _fail_all(futures, exc)
         else:
@@ -236,7 +261,105 @@ def _fail_all(futures: list[asyncio.Future[None]], error: BaseException) -> None
             future.set_exception(own)
 
 
-class MessageQueueClient:
+class _QueueClient:
+    """What the async and the blocking client share: their settings, how they are built
+    (`create`, and `connect` through `_named`), their properties and how they pickle (as the
+    actor handle and the by-ref settings)."""
+
+    __slots__ = ("_actor", "_adopt", "_by_ref_bytes", "_pull")
+
+    def __init__(
+        self,
+        actor: ActorHandle,
+        by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
+        by_ref_owner: str = "queue",
+        by_ref_pull: bool = True,
+    ) -> None:
+        self._actor = actor
+        self._by_ref_bytes = _wire.check_by_ref_bytes(by_ref_bytes)
+        self._adopt = _wire.adopt_for_owner(by_ref_owner)
+        self._pull = bool(by_ref_pull)
+
+    @classmethod
+    def create(
+        cls,
+        maxsize: int = 1024,
+        policy: FullPolicy | str = FullPolicy.BLOCK,
+        *,
+        name: str | None = None,
+        namespace: str | None = None,
+        detached: bool = False,
+        get_if_exists: bool = False,
+        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        actor_options: dict[str, Any] | None = None,
+        by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
+        by_ref_owner: str = "queue",
+        by_ref_pull: bool = True,
+        hand_over_timeout_s: float = DEFAULT_HAND_OVER_TIMEOUT_S,
+    ) -> Self:
+        """Start a queue actor (see `start_queue_actor`) and return a client of it.
+
+        Does not wait for the actor: the first call does. `name` makes it findable with
+        `connect(name, namespace)`; `detached=True` lets it outlive this driver."""
+        handle = start_queue_actor(
+            maxsize,
+            policy,
+            name=name,
+            namespace=namespace,
+            detached=detached,
+            get_if_exists=get_if_exists,
+            max_concurrency=max_concurrency,
+            actor_options=actor_options,
+            hand_over_timeout_s=hand_over_timeout_s,
+        )
+        return cls(handle, by_ref_bytes, by_ref_owner, by_ref_pull)
+
+    @classmethod
+    def _named(
+        cls,
+        name: str,
+        namespace: str | None,
+        by_ref_bytes: int | None,
+        by_ref_owner: str,
+        by_ref_pull: bool,
+    ) -> Self:
+        """Client of the named actor: a blocking GCS lookup (the async `connect` runs it in
+        a worker thread)."""
+        return cls(ray.get_actor(name, namespace), by_ref_bytes, by_ref_owner, by_ref_pull)
+
+    @property
+    def handle(self) -> ActorHandle:
+        """The actor handle (e.g. for `ray.kill`)."""
+        return self._actor
+
+    @property
+    def by_ref_bytes(self) -> int | None:
+        """Payloads of at least this many bytes go by reference (None: never)."""
+        return self._by_ref_bytes
+
+    @property
+    def by_ref_owner(self) -> str:
+        """Who owns by-ref payloads: "queue" (the default; they survive their producer) or
+        "producer" (one copy less; lost if the producer exits before they are consumed)."""
+        return "queue" if self._adopt else "producer"
+
+    @property
+    def by_ref_pull(self) -> bool:
+        """Whether the queue actor may pull by-ref payloads from this process (see
+        `MessageQueueClient`)."""
+        return self._pull
+
+    def _settings(self) -> tuple[ActorHandle, int | None, str, bool]:
+        return (self._actor, self._by_ref_bytes, self.by_ref_owner, self._pull)
+
+    def __reduce__(self) -> tuple[type[Self], tuple[ActorHandle, int | None, str, bool]]:
+        return (type(self), self._settings())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._actor!r})"
+
+
+class MessageQueueClient(_QueueClient):
     """Async client of a `QueueActor`; every method is `async` and awaits its Ray call.
 
     Build it with `MessageQueueClient.create(...)` (starts the actor),
@@ -260,7 +383,7 @@ class MessageQueueClient:
     No method returns None in place of an item.
     """
 
-    __slots__ = ("_actor", "_adopt", "_batcher", "_by_ref_bytes", "_pull")
+    __slots__ = ("_batcher",)
 
     def __init__(
         self,
@@ -269,43 +392,8 @@ class MessageQueueClient:
         by_ref_owner: str = "queue",
         by_ref_pull: bool = True,
     ) -> None:
-        self._actor = actor
-        self._by_ref_bytes = _wire.check_by_ref_bytes(by_ref_bytes)
-        self._adopt = _wire.adopt_for_owner(by_ref_owner)
-        self._pull = bool(by_ref_pull)
+        super().__init__(actor, by_ref_bytes, by_ref_owner, by_ref_pull)
         self._batcher: _PutBatcher | None = None
-
-    @classmethod
-    def create(
-        cls,
-        maxsize: int = 1024,
-        policy: FullPolicy | str = FullPolicy.BLOCK,
-        *,
-        name: str | None = None,
-        namespace: str | None = None,
-        detached: bool = False,
-        get_if_exists: bool = False,
-        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
-        actor_options: dict[str, Any] | None = None,
-        by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
-        by_ref_owner: str = "queue",
-        by_ref_pull: bool = True,
-    ) -> Self:
-        """Start a queue actor (see `start_queue_actor`) and return a client of it.
-
-        Does not wait for the actor: the first call does. `name` makes it findable with
-        `connect(name, namespace)`; `detached=True` lets it outlive this driver."""
-        handle = start_queue_actor(
-            maxsize,
-            policy,
-            name=name,
-            namespace=namespace,
-            detached=detached,
-            get_if_exists=get_if_exists,
-            max_concurrency=max_concurrency,
-            actor_options=actor_options,
-        )
-        return cls(handle, by_ref_bytes, by_ref_owner, by_ref_pull)
 
     @classmethod
     async def connect(
@@ -319,43 +407,13 @@ class MessageQueueClient:
     ) -> Self:
         """Client of the named queue actor. The lookup is a synchronous GCS call, so it runs
         in a worker thread to keep this loop free."""
-        handle = await asyncio.to_thread(ray.get_actor, name, namespace)
-        return cls(handle, by_ref_bytes, by_ref_owner, by_ref_pull)
-
-    @property
-    def handle(self) -> ActorHandle:
-        """The actor handle (e.g. for `ray.kill`)."""
-        return self._actor
-
-    @property
-    def by_ref_bytes(self) -> int | None:
-        """Payloads of at least this many bytes go by reference (None: never)."""
-        return self._by_ref_bytes
-
-    @property
-    def by_ref_owner(self) -> str:
-        """Who owns by-ref payloads: "queue" (the default; they survive their producer) or
-        "producer" (one copy less; lost if the producer exits before they are consumed)."""
-        return "queue" if self._adopt else "producer"
-
-    @property
-    def by_ref_pull(self) -> bool:
-        """Whether the queue actor may pull by-ref payloads from this process (see above)."""
-        return self._pull
+        return await asyncio.to_thread(
+            cls._named, name, namespace, by_ref_bytes, by_ref_owner, by_ref_pull
+        )
 
     def to_sync(self) -> SyncMessageQueueClient:
         """A synchronous client of the same actor (for threads without a running loop)."""
-        return SyncMessageQueueClient(
-            self._actor, self._by_ref_bytes, self.by_ref_owner, self._pull
-        )
-
-    def __reduce__(
-        self,
-    ) -> tuple[type[MessageQueueClient], tuple[ActorHandle, int | None, str, bool]]:
-        return (type(self), (self._actor, self._by_ref_bytes, self.by_ref_owner, self._pull))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._actor!r})"
+        return SyncMessageQueueClient(*self._settings())
 
     # ------------------------------------------------------------------ producers
 
@@ -373,11 +431,17 @@ class MessageQueueClient:
     async def put_many(self, items: Sequence[QueueItem]) -> None:
         """Enqueue many items in one Ray call (in order). Policy reject refuses all or none."""
         _check_items(items)
-        wire = await self._to_wire(items)
-        try:
-            await self._call(self._actor.put_many, *wire.args())
-        finally:
-            wire.release()  # a pulled put's payloads: taken by now, or never
+        for _attempt in range(2):  # the second attempt copies: it cannot time out so
+            wire = await self._to_wire(items)
+            try:
+                await self._call(self._actor.put_many, *wire.args())
+                return
+            except HandOverTimeout as exc:
+                if wire.source is None:
+                    raise
+                _hand_over_failed(exc)
+            finally:
+                wire.release()  # a pulled put's payloads: taken by now, or never
 
     async def close(self, error: BaseException | str | None = None) -> None:
         """End the stream, or (with `error`) fail it: consumers then raise `ProducerFailed`
@@ -504,7 +568,7 @@ async def _in_background(hand_back: Coroutine[Any, Any, None]) -> None:
         logger.warning("could not hand items back to the queue", exc_info=True)
 
 
-class SyncMessageQueueClient:
+class SyncMessageQueueClient(_QueueClient):
     """Blocking client for plain scripts and threads (uses `ray.get`).
 
     Same methods, parameters and signals as `MessageQueueClient`, without `await`. Calling it
@@ -512,48 +576,7 @@ class SyncMessageQueueClient:
     `RuntimeError`) instead of blocking that loop: use `MessageQueueClient` there.
     """
 
-    __slots__ = ("_actor", "_adopt", "_by_ref_bytes", "_pull")
-
-    def __init__(
-        self,
-        actor: ActorHandle,
-        by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
-        by_ref_owner: str = "queue",
-        by_ref_pull: bool = True,
-    ) -> None:
-        self._actor = actor
-        self._by_ref_bytes = _wire.check_by_ref_bytes(by_ref_bytes)
-        self._adopt = _wire.adopt_for_owner(by_ref_owner)
-        self._pull = bool(by_ref_pull)
-
-    @classmethod
-    def create(
-        cls,
-        maxsize: int = 1024,
-        policy: FullPolicy | str = FullPolicy.BLOCK,
-        *,
-        name: str | None = None,
-        namespace: str | None = None,
-        detached: bool = False,
-        get_if_exists: bool = False,
-        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
-        actor_options: dict[str, Any] | None = None,
-        by_ref_bytes: int | None = DEFAULT_BY_REF_BYTES,
-        by_ref_owner: str = "queue",
-        by_ref_pull: bool = True,
-    ) -> Self:
-        """Start a queue actor; same arguments as `MessageQueueClient.create`."""
-        handle = start_queue_actor(
-            maxsize,
-            policy,
-            name=name,
-            namespace=namespace,
-            detached=detached,
-            get_if_exists=get_if_exists,
-            max_concurrency=max_concurrency,
-            actor_options=actor_options,
-        )
-        return cls(handle, by_ref_bytes, by_ref_owner, by_ref_pull)
+    __slots__ = ()
 
     @classmethod
     def connect(
@@ -566,34 +589,10 @@ class SyncMessageQueueClient:
         by_ref_pull: bool = True,
     ) -> Self:
         _forbid_running_loop("connect")
-        return cls(ray.get_actor(name, namespace), by_ref_bytes, by_ref_owner, by_ref_pull)
-
-    @property
-    def handle(self) -> ActorHandle:
-        return self._actor
-
-    @property
-    def by_ref_bytes(self) -> int | None:
-        return self._by_ref_bytes
-
-    @property
-    def by_ref_owner(self) -> str:
-        return "queue" if self._adopt else "producer"
-
-    @property
-    def by_ref_pull(self) -> bool:
-        return self._pull
+        return cls._named(name, namespace, by_ref_bytes, by_ref_owner, by_ref_pull)
 
     def to_async(self) -> MessageQueueClient:
-        return MessageQueueClient(self._actor, self._by_ref_bytes, self.by_ref_owner, self._pull)
-
-    def __reduce__(
-        self,
-    ) -> tuple[type[SyncMessageQueueClient], tuple[ActorHandle, int | None, str, bool]]:
-        return (type(self), (self._actor, self._by_ref_bytes, self.by_ref_owner, self._pull))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._actor!r})"
+        return MessageQueueClient(*self._settings())
 
     def put(self, item: QueueItem) -> None:
         _check_items((item,))
@@ -658,16 +657,25 @@ class SyncMessageQueueClient:
 
     def _put(self, name: str, items: Sequence[QueueItem]) -> None:
         _forbid_running_loop(name)  # before any ray.put or hold
-        wire: _Outgoing | None = None
+        for _attempt in range(2):  # the second attempt copies: it cannot time out so
+            wire = self._to_wire(items)
+            try:
+                self._call(name, self._actor.put_many, *wire.args())
+                return
+            except HandOverTimeout as exc:
+                if wire.source is None:
+                    raise
+                _hand_over_failed(exc)
+            finally:
+                wire.release()  # a pulled put's payloads: taken by now, or never
+
+    def _to_wire(self, items: Sequence[QueueItem]) -> _Outgoing:
         if self._adopt and self._pull and _wire.needs_object_store(items, self._by_ref_bytes):
             # A threaded actor with max_concurrency > 1 serves the hand-over on another thread.
-            wire = _pulled(items, self._by_ref_bytes)
-        if wire is None:
-            wire = _Outgoing(_wire.to_wire(items, self._by_ref_bytes, self._adopt))
-        try:
-            self._call(name, self._actor.put_many, *wire.args())
-        finally:
-            wire.release()  # a pulled put's payloads: taken by now, or never
+            pulled = _pulled(items, self._by_ref_bytes)
+            if pulled is not None:
+                return pulled
+        return _Outgoing(_wire.to_wire(items, self._by_ref_bytes, self._adopt))
 
     @staticmethod
     def _call(name: str, method: Any, *args: Any) -> Any:

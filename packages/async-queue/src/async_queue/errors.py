@@ -80,6 +80,15 @@ class PutWithdrawn(QueueError):
     """
 
 
+class HandOverTimeout(QueueError):
+    """Internal: the producer of a pulled put did not hand its payloads over in time (every
+    call slot of that actor was busy); nothing of the put is enqueued.
+
+    The client that sent the put reads it, turns pulled puts off in its process and sends
+    the same items again by copying; no caller sees it.
+    """
+
+
 class SyncClientInEventLoopError(RuntimeError):
     """`SyncMessageQueueClient` was called on a thread whose asyncio event loop is running.
 
