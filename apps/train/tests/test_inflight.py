@@ -376,6 +376,7 @@ def test_the_driver_puts_back_the_queued_groups_and_continues_only_the_others(
     )
     items = [_queued("s1000-0", 4), _queued("s1000-5", 3), _queued("s1000-1", 1)]
     write_queued(QueuedSnapshot(version=4, taken_at=1.0, items=items), queued_path(checkpoint))
+    (tmp_path / "config.toml").write_text("")  # a run directory, as `--resume` checks
     config = TrainConfig(resume=tmp_path, rollout_replicas=1, batch_size=4, group_size=2,
                          max_staleness=1)  # fmt: skip
 

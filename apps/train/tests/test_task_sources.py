@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from rollout_engine import Timings, Trajectory
 from train_app import cli
-from train_app import run as run_module
+from train_app import driver as run_module
 from train_app.config import TrainConfig, load_toml, to_toml
 from train_app.tasks import UnknownTask, all_tasks, make_task
 from train_app.tasks.dataset import DatasetTask, format_prompt
