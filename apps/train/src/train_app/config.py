@@ -8,6 +8,7 @@ and flags given on the command line override it.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,14 @@ class TrainConfig:
 
     max_tokens: int = 8
     """Response length budget (tokens)."""
+
+    wandb_project: str | None = None
+    """Also log the metrics, this configuration and the plot to this Weights & Biases
+    project (needs the app's `wandb` extra; `WANDB_MODE=offline` works without a network)."""
+
+    max_model_len: int | None = None
+    """Context length vLLM serves (prompt plus response tokens). Default: the model's
+    `max_position_embeddings`, capped at 2048; more than the model's is refused."""
 
     temperature: float = 1.0
     """Sampling temperature (the loss uses log-probs of the tempered distribution)."""
@@ -194,6 +203,15 @@ class TrainConfig:
             raise ValueError("--min-lr-ratio must be in [0, 1]")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError("--max-grad-norm must be > 0")
+        if self.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+            from train_app.mirrors import WANDB_MISSING
+
+            raise ValueError(WANDB_MISSING)
+        if self.max_model_len is not None and self.max_model_len <= self.max_tokens:
+            raise ValueError(
+                f"--max-model-len {self.max_model_len} leaves no room for a prompt beside "
+                f"--max-tokens {self.max_tokens}"
+            )
         if not 0.0 <= self.corrupt_images < 1.0:
             raise ValueError("--corrupt-images must be in [0, 1)")
         from train_app.tasks import all_tasks

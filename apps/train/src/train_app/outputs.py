@@ -7,12 +7,29 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["MetricsWriter", "plot_run", "read_metrics", "rewind_metrics", "summary_table"]
+__all__ = [
+    "MetricsMirror",
+    "MetricsWriter",
+    "plot_run",
+    "read_metrics",
+    "rewind_metrics",
+    "summary_table",
+]
+
+
+class MetricsMirror(Protocol):
+    """Another place a run's metrics go beside metrics.jsonl and TensorBoard (e.g. W&B)."""
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None: ...
+
+    def add_plot(self, path: Path) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class MetricsWriter:
@@ -23,12 +40,20 @@ class MetricsWriter:
     removed (`rewind_metrics`, atomic; `kept` holds the rows that stay), and the TensorBoard
     writer starts with `purge_step=resume_step + 1`, which makes TensorBoard discard the
     events of later steps from the earlier event files.
+
+    `mirrors` receive every row `log` writes, the plot (`add_plot`) and `close`.
     """
 
     def __init__(
-        self, run_dir: Path, *, tensorboard: bool = True, resume_step: int | None = None
+        self,
+        run_dir: Path,
+        *,
+        tensorboard: bool = True,
+        resume_step: int | None = None,
+        mirrors: Sequence[MetricsMirror] = (),
     ) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.mirrors = tuple(mirrors)
         self.kept: list[dict[str, Any]] = []
         if resume_step is not None:
             self.kept = rewind_metrics(self.path, resume_step)
@@ -49,6 +74,13 @@ class MetricsWriter:
             for key, value in metrics.items():
                 if isinstance(value, int | float) and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
+        for mirror in self.mirrors:
+            mirror.log(metrics, step)
+
+    def add_plot(self, path: Path) -> None:
+        """The run's plot, for the mirrors (the file itself is already in the run dir)."""
+        for mirror in self.mirrors:
+            mirror.add_plot(path)
 
     def close(self) -> None:
         if self._file.closed:
@@ -56,6 +88,8 @@ class MetricsWriter:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        for mirror in self.mirrors:
+            mirror.close()
 
 
 def _jsonable(value: Any) -> Any:
