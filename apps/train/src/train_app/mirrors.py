@@ -72,6 +72,8 @@ class WandbMirror:
             dir=str(run_dir),
             config=dict(config),
             resume="allow",
+            # The driver already writes its output to <run>/logs; W&B must not wrap stdout.
+            settings=wandb.Settings(console="off"),
         )
         logger.info("W&B run %s (%s mode)", self.run.id, self.run.settings.mode)
 
