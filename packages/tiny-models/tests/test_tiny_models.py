@@ -48,9 +48,10 @@ def test_other_architectures_load_and_train_one_step(tmp_path: Path, build) -> N
     model_dir = build(tmp_path / "m", seed=0)
     again = build(tmp_path / "n", seed=0)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    assert type(model).__name__ == json.loads((model_dir / "config.json").read_text())[
-        "architectures"
-    ][0]
+    assert (
+        type(model).__name__
+        == json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    )
     first = next(model.parameters()).detach().clone()
     assert torch.equal(first, next(AutoModelForCausalLM.from_pretrained(again).parameters()))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
