@@ -323,6 +323,15 @@ class RolloutActor:
             await asyncio.to_thread(self._journal.close)
 
 
+def _pad_token_id(plan: TrainerPlan, tokenizer: Any) -> int:
+    """The plan's pad id (read from the model's files), else the tokenizer's (0 is a real id,
+    so not `or`), else the fallback."""
+    for candidate in (plan.pad_token_id, tokenizer.pad_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return plan.fallback_pad_token_id
+
+
 def trainer_device(gpu_ids: Sequence[Any], cuda_available: bool) -> str:
     """Where a trainer rank trains: its GPU when Ray gave it one (`--trainer-resources GPU=1`;
     Ray sets CUDA_VISIBLE_DEVICES so it is `cuda` device 0, and `DataParallel` then uses NCCL
@@ -460,7 +469,7 @@ class TrainerActor:
             weight_sink=self._sink,
             metrics_sink=self,
             mm_inputs_fn=mm_inputs_fn,
-            pad_token_id=tokenizer.pad_token_id or plan.fallback_pad_token_id,
+            pad_token_id=_pad_token_id(plan, tokenizer),
             data_parallel=self._dp,
             on_checkpoint=self._save_inflight,
         )

@@ -8,6 +8,7 @@ and flags given on the command line override it.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +135,14 @@ class TrainConfig:
 
     max_tokens: int = 8
     """Response length budget (tokens)."""
+
+    wandb_project: str | None = None
+    """Also log the metrics, this configuration and the plot to this Weights & Biases
+    project (needs the app's `wandb` extra; `WANDB_MODE=offline` works without a network)."""
+
+    max_model_len: int | None = None
+    """Context length vLLM serves (prompt plus response tokens). Default: the model's
+    `max_position_embeddings`, capped at 2048; more than the model's is refused."""
 
     temperature: float = 1.0
     """Sampling temperature, > 0 (the loss uses log-probs of the tempered distribution, so
@@ -277,6 +286,16 @@ def _check_numbers(config: TrainConfig) -> None:
 
 def _check_choices(config: TrainConfig) -> None:
     from train_app.tasks import all_tasks
+
+    if config.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        from train_app.mirrors import WANDB_MISSING
+
+        raise ValueError(WANDB_MISSING)
+    if config.max_model_len is not None and config.max_model_len <= config.max_tokens:
+        raise ValueError(
+            f"--max-model-len {config.max_model_len} leaves no room for a prompt beside "
+            f"--max-tokens {config.max_tokens}"
+        )
 
     if config.task not in all_tasks():
         raise ValueError(f"--task {config.task}: choose from {sorted(all_tasks())}")

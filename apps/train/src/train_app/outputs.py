@@ -14,7 +14,7 @@ import statistics
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rich.console import Console
 from rich.table import Table
@@ -23,6 +23,7 @@ __all__ = [
     "MAX_LOG_BYTES",
     "MAX_PLOT_POINTS",
     "PLOTTED_KEYS",
+    "MetricsMirror",
     "MetricsWriter",
     "cap_log",
     "iter_metrics",
@@ -46,6 +47,16 @@ PLOTTED_KEYS = (
 )  # fmt: skip
 
 
+class MetricsMirror(Protocol):
+    """Another place a run's metrics go beside metrics.jsonl and TensorBoard (e.g. W&B)."""
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None: ...
+
+    def add_plot(self, path: Path) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsWriter:
     """A `MetricsSink`: one JSON object per trainer step, mirrored to TensorBoard scalars.
 
@@ -57,15 +68,23 @@ class MetricsWriter:
 
     The writer keeps no rows: `rows` counts those in the file (the kept ones included) and
     `last_row` is the latest one (None before any).
+
+    `mirrors` receive every row `log` writes, the plot (`add_plot`) and `close`.
     """
 
     def __init__(
-        self, run_dir: Path, *, tensorboard: bool = True, resume_step: int | None = None
+        self,
+        run_dir: Path,
+        *,
+        tensorboard: bool = True,
+        resume_step: int | None = None,
+        mirrors: Sequence[MetricsMirror] = (),
     ) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self._resume_step = resume_step
         self.rows = 0
         self.last_row: dict[str, Any] | None = None
+        self.mirrors = tuple(mirrors)
         if resume_step is not None:
             self.rows, self.last_row = _rewind(self.path, resume_step)
         self.kept_rows = self.rows
@@ -97,6 +116,13 @@ class MetricsWriter:
             for key, value in metrics.items():
                 if isinstance(value, int | float) and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
+        for mirror in self.mirrors:
+            mirror.log(metrics, step)
+
+    def add_plot(self, path: Path) -> None:
+        """The run's plot, for the mirrors (the file itself is already in the run dir)."""
+        for mirror in self.mirrors:
+            mirror.add_plot(path)
 
     def close(self) -> None:
         if self._file.closed:
@@ -104,6 +130,8 @@ class MetricsWriter:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        for mirror in self.mirrors:
+            mirror.close()
 
 
 def cap_log(path: Path, max_bytes: int = MAX_LOG_BYTES) -> bool:

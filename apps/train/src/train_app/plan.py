@@ -28,7 +28,7 @@ started with it have (`ray start --resources '{"node2": 1}'`), so Ray places the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,7 @@ __all__ = [
     "StalenessBound",
     "TrainerPlan",
     "actor_options",
+    "max_model_len",
     "plan",
     "queue_maxsize",
     "ray_num_cpus",
@@ -59,7 +60,8 @@ __all__ = [
     "staleness_bound",
 ]
 
-# Context length given to vLLM: the model's own, capped (a tiny model's KV cache stays small).
+# Context length given to vLLM without --max-model-len: the model's own, capped (a tiny
+# model's KV cache stays small).
 MAX_MODEL_LEN_CAP = 2048
 # Sequences vLLM schedules at once: at least every response of every group in flight.
 MIN_ENGINE_SEQS = 64
@@ -274,7 +276,9 @@ class TrainerPlan:
     """The run's staleness bound (`RunPlan.staleness`): rank 0's queue reads drop groups
     staler than it."""
     fallback_pad_token_id: int = FALLBACK_PAD_TOKEN_ID
-    """Token id that pads batches when the tokenizer has no pad token."""
+    """Token id that pads batches when neither `pad_token_id` nor the tokenizer names one."""
+    pad_token_id: int | None = None
+    """The model's pad id (`train_app.models.ModelFacts.pad_token_id`); None: the tokenizer's."""
 
     @property
     def log_name(self) -> str:
@@ -360,17 +364,20 @@ def plan(
     max_position_embeddings: int = MAX_MODEL_LEN_CAP,
     eos_token_id: int | None = None,
     resume: ResumePoint | None = None,
+    eos_token_ids: Sequence[int] = (),
+    pad_token_id: int | None = None,
     cpu_count: int = 2,
     capture_logs: bool = True,
 ) -> RunPlan:
     """Every package configuration of `config` (validated first).
 
-    `model_dir`, `max_position_embeddings` and `eos_token_id` describe the model (read from
-    its files by the caller), `resume` the checkpoint to continue from, `cpu_count` the
-    machine (with exactly one replica on a local machine with a core for every actor, the
-    engine is pinned to core 0 and trainer rank r to core 1 + r; otherwise nothing is
-    pinned). `capture_logs=False` (`--verbose`) leaves every actor's output on the terminal
-    instead of `run_dir/logs/`."""
+    `model_dir`, `max_position_embeddings`, `eos_token_id` / `eos_token_ids` (every id that
+    ends a response) and `pad_token_id` describe the model (read from its files by the
+    caller, `train_app.models.read_model_facts`), `resume` the checkpoint to continue from,
+    `cpu_count` the machine (with exactly one replica on a local machine with a core for
+    every actor, the engine is pinned to core 0 and trainer rank r to core 1 + r; otherwise
+    nothing is pinned). `capture_logs=False` (`--verbose`) leaves every actor's output on
+    the terminal instead of `run_dir/logs/`."""
     config.validate()
     resume = resume or ResumePoint()
     bound = staleness_bound(config)
@@ -381,7 +388,9 @@ def plan(
     )
     run_dir = Path(run_dir)
     log_dir = str(run_dir / "logs") if capture_logs else None
-    model = _ModelFacts(str(model_dir), max_position_embeddings, eos_token_id)
+    eos = tuple(dict.fromkeys([*([] if eos_token_id is None else [eos_token_id]), *eos_token_ids]))
+    model = _ModelFacts(str(model_dir), max_position_embeddings, eos)
+    max_model_len(config, model)  # an impossible --max-model-len fails here, before Ray
     replicas = _replica_plans(config, bound, model, resume, run_dir, log_dir, pin)
     trainer = TrainerPlan(
         model_dir=model.path,
@@ -397,6 +406,7 @@ def plan(
         resources=parse_resources(config.trainer_resources),
         staleness=bound,
         fallback_pad_token_id=FALLBACK_PAD_TOKEN_ID,
+        pad_token_id=pad_token_id,
     )
     return RunPlan(
         queue_maxsize=queue_maxsize(config),
@@ -413,7 +423,19 @@ def plan(
 class _ModelFacts:
     path: str
     max_position_embeddings: int
-    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+
+def max_model_len(config: TrainConfig, model: _ModelFacts) -> int:
+    """`--max-model-len`, or the model's context length capped at `MAX_MODEL_LEN_CAP`."""
+    if config.max_model_len is None:
+        return min(MAX_MODEL_LEN_CAP, model.max_position_embeddings)
+    if config.max_model_len > model.max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {config.max_model_len} is more than the model's "
+            f"max_position_embeddings {model.max_position_embeddings}"
+        )
+    return config.max_model_len
 
 
 def _replica_plans(
@@ -440,7 +462,7 @@ def _replica_plans(
             task_options=task_options(config, run_dir, i, len(shares)),
             prompt_seed=config.seed * PROMPT_SEED_STRIDE + i,
             consumed_prompt_ids=skip,
-            rollout=_rollout_config(config, bound, share, model.eos_token_id),
+            rollout=_rollout_config(config, bound, share, model.eos_token_ids),
             engine=_engine_config(config, model, replica=i, version=resume.version),
             cpu=ENGINE_CORE if pin else None,
             log_dir=log_dir,
@@ -454,7 +476,7 @@ def _replica_plans(
 
 
 def _rollout_config(
-    config: TrainConfig, bound: StalenessBound, share: int, eos_token_id: int | None
+    config: TrainConfig, bound: StalenessBound, share: int, eos_token_ids: tuple[int, ...]
 ) -> RolloutConfig:
     sampling = SamplingConfig(
         max_tokens=config.max_tokens,
@@ -462,7 +484,7 @@ def _rollout_config(
         top_p=TOP_P,
         top_k=TOP_K,
         seed=SAMPLING_SEED,
-        stop_token_ids=() if eos_token_id is None else (eos_token_id,),
+        stop_token_ids=eos_token_ids,
         ignore_eos=IGNORE_EOS,
     )
     return RolloutConfig(
@@ -491,7 +513,7 @@ def _engine_config(
         model=model.path,
         tokenizer=None,  # the model's own
         dtype=ENGINE_DTYPE,
-        max_model_len=min(MAX_MODEL_LEN_CAP, model.max_position_embeddings),
+        max_model_len=max_model_len(config, model),
         kv_cache_gib=KV_CACHE_GIB,
         enforce_eager=ENFORCE_EAGER,
         seed=config.seed + replica,

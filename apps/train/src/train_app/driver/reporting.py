@@ -8,6 +8,7 @@ import asyncio
 import json
 import signal
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from train_app.driver.aio import await_ref
-from train_app.outputs import MetricsWriter, plot_run, print_summary
+from train_app.outputs import MetricsMirror, MetricsWriter, plot_run, print_summary
 from train_app.plan import RunPlan
 from train_app.replica_metrics import aggregate_replica_metrics
 
@@ -54,10 +55,13 @@ class Reporter:
         self.rollout_metrics: dict[str, Any] = {}
         self.timings: dict[str, float] = {}
 
-    def open(self) -> None:
+    def open(self, mirrors: Sequence[MetricsMirror] = ()) -> None:
         """The metrics file; a resumed run continues from its checkpoint's step (later
-        history is rewound) and first writes the rows its checkpoint holds."""
-        self.writer = MetricsWriter(self.run_dir, resume_step=self.plan.resume.step)
+        history is rewound) and first writes the rows its checkpoint holds. `mirrors`: where
+        else every row goes (`train_app.mirrors.open_mirrors`)."""
+        self.writer = MetricsWriter(
+            self.run_dir, resume_step=self.plan.resume.step, mirrors=mirrors
+        )
         self.records = list(self.writer.kept)
         self._write_pending_rows()
         self.kept_records = len(self.records)
@@ -148,8 +152,8 @@ class Reporter:
         """summary.json, the plot and the terminal summary; `signum`: the signal that
         stopped the run, if one did."""
         assert self.writer is not None
-        self.writer.close()
         summary = self._summary(train_s)
+        self.writer.close()  # after the plot, which goes to the mirrors too
         if signum is not None:
             summary["interrupted_by"] = signal.Signals(signum).name
             summary["checkpoint_step"] = trainer_summary.get("checkpoint_step")
@@ -166,6 +170,7 @@ class Reporter:
     def _summary(self, train_s: float) -> dict[str, Any]:
         assert self.writer is not None
         plot = plot_run(self.records, self.run_dir / "reward.png", title=str(self.run_dir.name))
+        self.writer.add_plot(plot)
         rewards = [r["reward/mean"] for r in self.records if "reward/mean" in r]
         tenth = max(1, len(rewards) // SUMMARY_FRACTION)
         staleness = [r["staleness/max"] for r in self.records if "staleness/max" in r]

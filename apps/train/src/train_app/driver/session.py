@@ -173,7 +173,13 @@ class Session:
 
     async def run(self) -> RunResult:
         t0 = time.monotonic()
-        self.reporter.open()
+        from train_app.mirrors import open_mirrors
+
+        # In a thread: wandb.init starts its service process and waits for it.
+        mirrors = await asyncio.to_thread(
+            open_mirrors, self.config, self.reporter.run_dir, self.plan.resume.step
+        )
+        self.reporter.open(mirrors)
         await create_actors(self.plan, self.actors, self.put_back)
         await start_actors(self.plan, self.actors, self.supervisor.console, self.reporter.timings)
         if self.config.resume is not None:  # its checkpoint loaded: now it is this run's

@@ -23,8 +23,9 @@ from train_app.config import TrainConfig, load_toml, to_toml
 from train_app.driver.aio import await_ref
 from train_app.driver.errors import RunFailed
 from train_app.inflight import load_inflight, load_queued, put_back
+from train_app.models import UnsupportedModel, check_vllm_architectures
+from train_app.models import read_model_facts as read_model_facts_full
 from train_app.plan import (
-    MAX_MODEL_LEN_CAP,
     ResumePoint,
     RunPlan,
     StalenessBound,
@@ -151,23 +152,25 @@ def ensure_model(config: TrainConfig, run_dir: Path) -> Path:
 
 def read_model_facts(model_dir: Path) -> tuple[int, int | None]:
     """(max_position_embeddings, tokenizer EOS id) of a local HF checkpoint."""
-    from transformers import AutoTokenizer
-
-    config = json.loads((model_dir / "config.json").read_text())
-    text_config = config.get("text_config", config)
-    max_positions = int(text_config.get("max_position_embeddings", MAX_MODEL_LEN_CAP))
-    return max_positions, AutoTokenizer.from_pretrained(str(model_dir)).eos_token_id
+    facts = read_model_facts_full(model_dir)
+    return facts.max_position_embeddings, next(iter(facts.eos_token_ids), None)
 
 
 def make_plan(config: TrainConfig, run_dir: Path, model_dir: Path) -> RunPlan:
-    """`plan()` with what it needs from the disk: the model's facts and the resume point."""
-    max_positions, eos = read_model_facts(model_dir)
+    """`plan()` with what it needs from the disk: the model's facts (its architecture checked
+    against vLLM's registry: `UnsupportedModel`) and the resume point."""
+    try:
+        facts = read_model_facts_full(model_dir)
+        check_vllm_architectures(model_dir, facts.architectures)
+    except UnsupportedModel as exc:
+        raise RunFailed(str(exc)) from None
     return plan(
         config,
         model_dir=model_dir,
         run_dir=run_dir.resolve(),
-        max_position_embeddings=max_positions,
-        eos_token_id=eos,
+        max_position_embeddings=facts.max_position_embeddings,
+        eos_token_ids=facts.eos_token_ids,
+        pad_token_id=facts.pad_token_id,
         resume=resume_point(config, run_dir),
         cpu_count=os.cpu_count() or 1,
         capture_logs=not config.verbose,
