@@ -40,7 +40,9 @@ async def test_process_vision_info_matches_qwen_vl_utils_in_every_shape(
     messages = image_message(*map(str, photos))
     for patch in (14, 16):
         for kwargs in ({}, {"return_video_metadata": True}, {"return_video_kwargs": True}):
-            want = qwen_vl_utils.process_vision_info(messages, image_patch_size=patch, **kwargs)
+            want = await asyncio.to_thread(
+                qwen_vl_utils.process_vision_info, messages, image_patch_size=patch, **kwargs
+            )
             got = await mm_verl.process_vision_info(messages, image_patch_size=patch, **kwargs)
             assert len(got) == len(want)
             assert _same_images(got[0], want[0])
@@ -58,7 +60,8 @@ async def test_process_multi_modal_info_has_verls_shape(
     images, videos, audios = await mm_verl.process_multi_modal_info(
         messages, image_patch_size=14, config=None
     )
-    want, _ = qwen_vl_utils.process_vision_info(image_message(*map(str, photos[:2])))
+    reference = image_message(*map(str, photos[:2]))
+    want, _ = await asyncio.to_thread(qwen_vl_utils.process_vision_info, reference)
     assert _same_images(images, want)
     assert videos is None and audios == ["clip.wav"]
     text_only = [{"role": "user", "content": "hi"}]
