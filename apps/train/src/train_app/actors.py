@@ -463,6 +463,7 @@ class TrainerActor:
             pad_token_id=tokenizer.pad_token_id or plan.fallback_pad_token_id,
             data_parallel=self._dp,
             on_checkpoint=self._save_inflight,
+            checkpoint_labels=plan.checkpoint_labels,
         )
         if self._stop_requested:  # stop() came while the model was loading
             self._trainer.stop()

@@ -275,6 +275,8 @@ class TrainerPlan:
     staler than it."""
     fallback_pad_token_id: int = FALLBACK_PAD_TOKEN_ID
     """Token id that pads batches when the tokenizer has no pad token."""
+    checkpoint_labels: Mapping[str, str] = field(default_factory=dict)
+    """Written into every checkpoint's manifest: the model it is for (a resume checks them)."""
 
     @property
     def log_name(self) -> str:
@@ -362,6 +364,7 @@ def plan(
     resume: ResumePoint | None = None,
     cpu_count: int = 2,
     capture_logs: bool = True,
+    checkpoint_labels: Mapping[str, str] | None = None,
 ) -> RunPlan:
     """Every package configuration of `config` (validated first).
 
@@ -370,7 +373,8 @@ def plan(
     machine (with exactly one replica on a local machine with a core for every actor, the
     engine is pinned to core 0 and trainer rank r to core 1 + r; otherwise nothing is
     pinned). `capture_logs=False` (`--verbose`) leaves every actor's output on the terminal
-    instead of `run_dir/logs/`."""
+    instead of `run_dir/logs/`. `checkpoint_labels`: what the trainer writes into every
+    checkpoint's manifest to name the model (`train_app.driver.resume.model_labels`)."""
     config.validate()
     resume = resume or ResumePoint()
     bound = staleness_bound(config)
@@ -397,6 +401,7 @@ def plan(
         resources=parse_resources(config.trainer_resources),
         staleness=bound,
         fallback_pad_token_id=FALLBACK_PAD_TOKEN_ID,
+        checkpoint_labels=dict(checkpoint_labels or {}),
     )
     return RunPlan(
         queue_maxsize=queue_maxsize(config),
