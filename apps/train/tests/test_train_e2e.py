@@ -208,7 +208,7 @@ def test_resume_on_a_damaged_latest_continues_from_the_previous_checkpoint(
     """A copy of `short_run` (as the resume test may have left it) whose newest checkpoint
     has a corrupt model.pt: the app warns, naming it, and continues from the one before;
     the checkpoints it saves verify with this model's labels. Cost: one Ray and vLLM start
-    (measured 380 s at load 19; ~70 s on an idle machine is expected)."""
+    (measured 380 s at load 19)."""
     from ppo_trainer import read_checkpoint_meta, verify_checkpoint
     from train_app.driver.resume import model_labels
 
