@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -199,6 +200,46 @@ def test_resume_continues_without_consuming_a_sample_twice(short_run) -> None:
     # The trainer records each prompt it consumes once, so 36 distinct prompts for 36 groups
     # means no prompt was trained on twice across the resume.
     assert len(meta.consumed_prompt_ids) == 9 * 4
+
+
+def test_resume_on_a_damaged_latest_continues_from_the_previous_checkpoint(
+    short_run, tmp_path: Path
+) -> None:
+    """A copy of `short_run` (as the resume test may have left it) whose newest checkpoint
+    has a corrupt model.pt: the app warns, naming it, and continues from the one before;
+    the checkpoints it saves verify with this model's labels. Cost: one Ray and vLLM start
+    (measured 380 s at load 19)."""
+    from ppo_trainer import read_checkpoint_meta, verify_checkpoint
+    from train_app.driver.resume import model_labels
+
+    source, code, out, _, _ = short_run
+    assert code == 0, out[-4000:]
+    run_dir = tmp_path / source.name
+    shutil.copytree(source, run_dir, symlinks=True)
+    latest = (run_dir / "checkpoints" / "latest").resolve()
+    model = bytearray((latest / "model.pt").read_bytes())
+    model[len(model) // 2] ^= 0xFF
+    (latest / "model.pt").write_bytes(bytes(model))
+    steps = read_checkpoint_meta(latest).step + 2
+    args = ["--resume", str(run_dir), "--steps", str(steps), "--no-progress"]
+    code, out = _finish(
+        subprocess.Popen(
+            [sys.executable, str(APP), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+    )
+    assert code == 0, out[-4000:]
+    assert f"not {latest.name}: model.pt is damaged" in out, out[-4000:]
+    # The rows past the previous checkpoint's step were rewound: each step once.
+    assert [r["step"] for r in _records(run_dir)] == list(range(1, steps + 1))
+    new_latest = run_dir / "checkpoints" / "latest"
+    assert read_checkpoint_meta(new_latest).step == steps
+    assert verify_checkpoint(new_latest, expect_labels=model_labels(run_dir / "model")) is None
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and isinstance(summary["rollout_failed"], str)
 
 
 def test_killed_rollouter_fails_the_run_with_its_cause(tmp_path: Path) -> None:

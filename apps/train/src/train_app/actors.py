@@ -472,6 +472,7 @@ class TrainerActor:
             pad_token_id=_pad_token_id(plan, tokenizer),
             data_parallel=self._dp,
             on_checkpoint=self._save_inflight,
+            checkpoint_labels=plan.checkpoint_labels,
         )
         if self._stop_requested:  # stop() came while the model was loading
             self._trainer.stop()

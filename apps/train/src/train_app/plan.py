@@ -279,6 +279,8 @@ class TrainerPlan:
     """Token id that pads batches when neither `pad_token_id` nor the tokenizer names one."""
     pad_token_id: int | None = None
     """The model's pad id (`train_app.models.ModelFacts.pad_token_id`); None: the tokenizer's."""
+    checkpoint_labels: Mapping[str, str] = field(default_factory=dict)
+    """Written into every checkpoint's manifest: the model it is for (a resume checks them)."""
 
     @property
     def log_name(self) -> str:
@@ -368,6 +370,7 @@ def plan(
     pad_token_id: int | None = None,
     cpu_count: int = 2,
     capture_logs: bool = True,
+    checkpoint_labels: Mapping[str, str] | None = None,
 ) -> RunPlan:
     """Every package configuration of `config` (validated first).
 
@@ -377,7 +380,9 @@ def plan(
     `cpu_count` the machine (with exactly one replica on a local machine with a core for
     every actor, the engine is pinned to core 0 and trainer rank r to core 1 + r; otherwise
     nothing is pinned). `capture_logs=False` (`--verbose`) leaves every actor's output on
-    the terminal instead of `run_dir/logs/`."""
+    the terminal instead of `run_dir/logs/`. `checkpoint_labels`: what
+    the trainer writes into every checkpoint's manifest to name the model
+    (`train_app.driver.resume.model_labels`)."""
     config.validate()
     resume = resume or ResumePoint()
     bound = staleness_bound(config)
@@ -407,6 +412,7 @@ def plan(
         staleness=bound,
         fallback_pad_token_id=FALLBACK_PAD_TOKEN_ID,
         pad_token_id=pad_token_id,
+        checkpoint_labels=dict(checkpoint_labels or {}),
     )
     return RunPlan(
         queue_maxsize=queue_maxsize(config),

@@ -7,6 +7,7 @@ Modules, in the order a run meets them (each imports only those before it):
 - `cluster`: Ray started locally or joined, every actor's environment;
 - `logs`: the driver's log capture (`logs/driver.log`, a quiet terminal);
 - `signals`: SIGINT / SIGTERM, graceful first, immediate second;
+- `resume`: the checkpoint a `--resume` continues from, verified before Ray starts;
 - `startup`: run dir, model, plan with its resume point, actors created and started;
 - `reporting`: metrics rows, progress, summary, plot;
 - `accounting`: where every group went (a pure balance and its live counts);

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from train_app.driver.aio import await_ref
-from train_app.outputs import MetricsMirror, MetricsWriter, plot_run, print_summary
+from train_app.failure_log import failure_summary
+from train_app.outputs import (
+    MetricsMirror,
+    MetricsWriter,
+    plot_metrics,
+    print_summary,
+    summarize_metrics,
+)
 from train_app.plan import RunPlan
 from train_app.replica_metrics import aggregate_replica_metrics
 
@@ -25,8 +31,8 @@ __all__ = ["METRICS_TIMEOUT_S", "Reporter", "RunResult", "progress_bar"]
 
 # Seconds each actor has to answer a metrics poll; a late answer is asked again next poll.
 METRICS_TIMEOUT_S = 5.0
-# The summary's reward figures average the first and the last tenth of the steps.
-SUMMARY_FRACTION = 10
+# The rollouters' failure journal in the run dir (`ReplicaPlan.failures_path`).
+FAILURES_FILE = "failures.jsonl"
 
 
 @dataclass
@@ -49,9 +55,10 @@ class Reporter:
         self.console = console
         self.run_dir = Path(run_plan.trainer.run_dir)
         self.writer: MetricsWriter | None = None
-        self.records: list[dict[str, Any]] = []
-        self.kept_records = 0
-        """Rows of a resumed run's earlier steps (not this driver's)."""
+        self.kept_rows = 0
+        """Rows of a resumed run's earlier steps (not this run's), its recovered ones too."""
+        self.first_row: dict[str, Any] | None = None
+        """This run's first metrics row (the rows themselves live only in the file)."""
         self.rollout_metrics: dict[str, Any] = {}
         self.timings: dict[str, float] = {}
 
@@ -62,9 +69,17 @@ class Reporter:
         self.writer = MetricsWriter(
             self.run_dir, resume_step=self.plan.resume.step, mirrors=mirrors
         )
-        self.records = list(self.writer.kept)
         self._write_pending_rows()
-        self.kept_records = len(self.records)
+        self.kept_rows = self.writer.rows
+
+    @property
+    def rows(self) -> int:
+        """Rows in metrics.jsonl (a resumed run's kept ones included)."""
+        return self.writer.rows if self.writer is not None else 0
+
+    @property
+    def last_row(self) -> dict[str, Any] | None:
+        return self.writer.last_row if self.writer is not None else None
 
     def _write_pending_rows(self) -> None:
         """A resumed run: the rows its checkpoint holds that the previous driver had not
@@ -76,14 +91,13 @@ class Reporter:
         path = Path(self.plan.resume.checkpoint) / PENDING_ROWS_FILE
         if not path.exists():
             return
-        last = self.records[-1]["step"] if self.records else 0
         assert self.writer is not None
+        last = self.writer.last_row["step"] if self.writer.last_row else 0
         for step, metrics in json.loads(path.read_text()):
             if last < step <= (self.plan.resume.step or 0):
                 # The trainer's figures only: the rollout and queue ones of then are gone.
                 row = {**metrics, "recovered_from_checkpoint": True}
                 self.writer.log(row, step)
-                self.records.append({"step": step, **row})
                 last = step
 
     async def collect(self, rollouts: list[Any], queue: Any, trainer: Any, restarts: int) -> None:
@@ -101,7 +115,8 @@ class Reporter:
             queue_metrics = (await asyncio.wait_for(queue.stats(), METRICS_TIMEOUT_S)).as_metrics()
         except Exception:
             queue_metrics = {}
-        written = self.records[-1]["step"] if len(self.records) > self.kept_records else None
+        last = self.last_row
+        written = last["step"] if last is not None and self.rows > self.kept_rows else None
         try:
             drain = trainer.drain_metrics.remote(written)
             records = await asyncio.wait_for(await_ref(drain), METRICS_TIMEOUT_S)
@@ -119,7 +134,8 @@ class Reporter:
             record["queue/resume_dropped_stale"] = float(queued.dropped_stale)
             record["queue/resume_dropped_tokens"] = float(queued.dropped_tokens)
         self.writer.log(record, step)
-        self.records.append({"step": step, **record})
+        if self.first_row is None:
+            self.first_row = self.writer.last_row
 
     async def write_failures(self, rollouts: list[Any]) -> None:
         failures = await asyncio.gather(
@@ -133,9 +149,9 @@ class Reporter:
         )
 
     def progress_info(self) -> str:
-        if not self.records:
+        last = self.last_row
+        if last is None:
             return "waiting for the first batch"
-        last = self.records[-1]
         return (
             f"reward {last.get('reward/mean', 0):.3f}  "
             f"staleness {last.get('staleness/mean', 0):.2f}/{last.get('staleness/max', 0):.0f}  "
@@ -168,25 +184,20 @@ class Reporter:
         return RunResult(self.run_dir, full)
 
     def _summary(self, train_s: float) -> dict[str, Any]:
+        """Read back from metrics.jsonl (streamed: the driver keeps no rows)."""
         assert self.writer is not None
-        plot = plot_run(self.records, self.run_dir / "reward.png", title=str(self.run_dir.name))
+        path = self.writer.path
+        plot = plot_metrics(path, self.run_dir / "reward.png", title=str(self.run_dir.name))
         self.writer.add_plot(plot)
-        rewards = [r["reward/mean"] for r in self.records if "reward/mean" in r]
-        tenth = max(1, len(rewards) // SUMMARY_FRACTION)
-        staleness = [r["staleness/max"] for r in self.records if "staleness/max" in r]
         return {
             "run_dir": str(self.run_dir),
-            "steps": len(self.records),
+            **summarize_metrics(path),
             "startup_s": round(self.timings.get("to_training_s", 0.0), 1),
             "train_wall_s": round(train_s, 1),
-            "reward_first_tenth": statistics.fmean(rewards[:tenth]) if rewards else float("nan"),
-            "reward_last_tenth": statistics.fmean(rewards[-tenth:]) if rewards else float("nan"),
-            "staleness_max": max(staleness) if staleness else 0,
-            "weight_version": self.records[-1].get("trainer/version", "") if self.records else "",
             "event_loop_lag_p99_ms": self.rollout_metrics.get("event_loop/lag_ms_p99", ""),
-            "rollout_failed": self.rollout_metrics.get("rollout/failed", 0),
+            "rollout_failed": failure_summary(self.run_dir / FAILURES_FILE),
             "plot": str(plot),
-            "metrics": str(self.writer.path),
+            "metrics": str(path),
         }
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ from train_app.driver.cluster import start_ray, warn_unplaceable, worker_env
 from train_app.driver.errors import RunInterrupted
 from train_app.driver.logs import capture_driver_logs
 from train_app.driver.reporting import Reporter, RunResult
+from train_app.driver.resume import model_labels
 from train_app.driver.signals import Stopper, signals_raise
 from train_app.driver.startup import (
     Actors,
@@ -35,11 +36,12 @@ from train_app.driver.startup import (
     make_plan,
     prepare_run_dir,
     record_config,
+    resume_point,
     run_dir_lock,
     start_actors,
 )
 from train_app.driver.supervisor import Supervisor
-from train_app.plan import RunPlan
+from train_app.plan import ResumePoint, RunPlan
 
 __all__ = ["ENGINE_STOP_TIMEOUT_S", "QUEUE_CLOSE_TIMEOUT_S", "Session", "run"]
 
@@ -72,9 +74,11 @@ def run(
         os.environ.update({k: v for k, v in worker_env(config).items() if k not in os.environ})
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((run_dir / ".inductor").resolve()))
         stack.enter_context(capture_driver_logs(run_dir, verbose=config.verbose))
+        # Before Ray starts: a resume with no usable checkpoint ends here, in one line.
+        resume = _resume_point(config, run_dir) if config.resume else None
 
         def prepare() -> RunPlan:
-            run_plan = make_plan(config, run_dir, ensure_model(config, run_dir))
+            run_plan = make_plan(config, run_dir, ensure_model(config, run_dir), resume)
             return run_plan if adjust_plan is None else adjust_plan(run_plan)
 
         stopper = Stopper(console)
@@ -82,6 +86,11 @@ def run(
     if result is None:  # a signal stopped the run (one after the end changes nothing)
         raise RunInterrupted(stopper.signum or signal.SIGINT, stopper.outcome)
     return result
+
+
+def _resume_point(config: TrainConfig, run_dir: Path) -> ResumePoint:
+    """The checkpoint `--resume` continues from (checked for its model) and what it saved."""
+    return resume_point(config, run_dir, labels=model_labels(ensure_model(config, run_dir)))
 
 
 def _startup_line(config: TrainConfig, run_dir: Path) -> str:

@@ -11,17 +11,19 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from rich.console import Console
 
 from train_app.config import TrainConfig, load_toml, to_toml
 from train_app.driver.aio import await_ref
-from train_app.driver.errors import RunFailed
+from train_app.driver.errors import RunFailed, first_line
+from train_app.driver.resume import choose_checkpoint, model_labels
 from train_app.inflight import load_inflight, load_queued, put_back
 from train_app.models import UnsupportedModel, check_vllm_architectures
 from train_app.models import read_model_facts as read_model_facts_full
@@ -156,14 +158,18 @@ def read_model_facts(model_dir: Path) -> tuple[int, int | None]:
     return facts.max_position_embeddings, next(iter(facts.eos_token_ids), None)
 
 
-def make_plan(config: TrainConfig, run_dir: Path, model_dir: Path) -> RunPlan:
+def make_plan(
+    config: TrainConfig, run_dir: Path, model_dir: Path, resume: ResumePoint | None = None
+) -> RunPlan:
     """`plan()` with what it needs from the disk: the model's facts (its architecture checked
-    against vLLM's registry: `UnsupportedModel`) and the resume point."""
+    against vLLM's registry: `UnsupportedModel`), its checkpoint labels and the resume point
+    (`resume`, if already read: `resume_point`)."""
     try:
         facts = read_model_facts_full(model_dir)
         check_vllm_architectures(model_dir, facts.architectures)
     except UnsupportedModel as exc:
         raise RunFailed(str(exc)) from None
+    labels = model_labels(model_dir)
     return plan(
         config,
         model_dir=model_dir,
@@ -171,25 +177,43 @@ def make_plan(config: TrainConfig, run_dir: Path, model_dir: Path) -> RunPlan:
         max_position_embeddings=facts.max_position_embeddings,
         eos_token_ids=facts.eos_token_ids,
         pad_token_id=facts.pad_token_id,
-        resume=resume_point(config, run_dir),
+        resume=resume if resume is not None else resume_point(config, run_dir, labels=labels),
         cpu_count=os.cpu_count() or 1,
         capture_logs=not config.verbose,
+        checkpoint_labels=labels,
     )
 
 
 def resume_point(
-    config: TrainConfig, run_dir: Path, bound: StalenessBound | None = None
+    config: TrainConfig,
+    run_dir: Path,
+    bound: StalenessBound | None = None,
+    *,
+    labels: Mapping[str, str] | None = None,
 ) -> ResumePoint:
-    """The checkpoint of a run to resume (its `latest`), the in-flight groups and the queue's
-    groups saved with it (`train_app.inflight`), read without torch. `bound`: the run's
-    staleness bound (default: the plan's, `staleness_bound(config)`)."""
+    """The checkpoint of a run to resume (the newest usable one for the model of `labels`,
+    `choose_checkpoint`), the in-flight groups and the queue's groups saved with it
+    (`train_app.inflight`), read without torch and before Ray starts. `bound`: the run's
+    staleness bound (default: the plan's, `staleness_bound(config)`). A checkpoint that
+    cannot be read back raises `RunFailed` in one line."""
     if config.resume is None:
         return ResumePoint()
+    checkpoint = choose_checkpoint(run_dir, labels or {})
+    try:
+        return _read_resume_point(config, run_dir, checkpoint, bound)
+    except (OSError, ValueError, KeyError, TypeError, msgspec.MsgspecError) as exc:
+        # Only a checkpoint older than manifests gets here damaged: the manifest caught it.
+        raise RunFailed(
+            f"--resume {run_dir}: checkpoint {checkpoint.name} is damaged "
+            f"({type(exc).__name__}: {first_line(exc)})"
+        ) from exc
+
+
+def _read_resume_point(
+    config: TrainConfig, run_dir: Path, checkpoint: Path, bound: StalenessBound | None
+) -> ResumePoint:
     from ppo_trainer import read_checkpoint_meta
 
-    checkpoint = run_dir / "checkpoints" / "latest"
-    if not checkpoint.exists():
-        raise RunFailed(f"--resume {run_dir}: no checkpoint in {checkpoint.parent}")
     meta = read_checkpoint_meta(checkpoint)
     if meta.consumed_group_ids and not meta.consumed_prompt_ids:
         raise RunFailed(

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -26,10 +27,12 @@ from rich.console import Console
 from train_app.config import TrainConfig
 from train_app.driver.aio import await_ref, failure, quietly
 from train_app.driver.errors import RunFailed, TrainerRankFailed, actor_died, brief, first_line
+from train_app.driver.logs import ACTOR_LOG_CAP_EVERY_S, cap_actor_logs
 from train_app.driver.reporting import Reporter, progress_bar
 from train_app.driver.signals import Stopper
 from train_app.driver.startup import Actors, write_pids
 from train_app.inflight import without_prompts
+from train_app.outputs import MAX_LOG_BYTES
 from train_app.plan import ReplicaPlan, RunPlan, actor_options
 
 logger = logging.getLogger(__name__)
@@ -64,6 +67,7 @@ class Supervisor:
         self.reporter, self.stopper, self.console = reporter, stopper, console
         self.restarts = 0
         """Rollouters replaced so far (`rollout/restarts`)."""
+        self._next_log_cap = time.monotonic() + ACTOR_LOG_CAP_EVERY_S
 
     async def poll_metrics(self) -> None:
         actors = self.actors
@@ -136,7 +140,7 @@ class Supervisor:
                     await self._poll(started)
                     progress.update(
                         bar,
-                        completed=len(self.reporter.records),
+                        completed=self.reporter.rows,
                         info=self.reporter.progress_info(),
                     )
                     await self._replace_dead(done, watched, restarting)
@@ -151,12 +155,22 @@ class Supervisor:
 
     async def _poll(self, started: float) -> None:
         """New metrics rows; the first of this run times the first step and weight push."""
-        first = self.reporter.kept_records
         await self.poll_metrics()
-        records, timings = self.reporter.records, self.reporter.timings
-        if len(records) > first and "first_step_s" not in timings:
+        await self._cap_logs()
+        first, timings = self.reporter.first_row, self.reporter.timings
+        if first is not None and "first_step_s" not in timings:
             timings["first_step_s"] = time.monotonic() - started
-            timings["first_push_s"] = records[first].get("weights/sync_s", 0)
+            timings["first_push_s"] = first.get("weights/sync_s", 0)
+
+    async def _cap_logs(self) -> None:
+        """About once `ACTOR_LOG_CAP_EVERY_S`, cap the actors' logs (`cap_actor_logs`)."""
+        log_dir = self.plan.trainer.log_dir
+        if log_dir is None or time.monotonic() < self._next_log_cap:
+            return
+        self._next_log_cap = time.monotonic() + ACTOR_LOG_CAP_EVERY_S
+        rotated = await asyncio.to_thread(cap_actor_logs, Path(log_dir))
+        for path in rotated:
+            logger.info("%s passed %d bytes: moved to %s.1", path, MAX_LOG_BYTES, path.name)
 
     async def _replace_dead(
         self,
