@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
+import rollout_engine
+import train_app.actors
 from train_app.config import TrainConfig, parse_resources
 from train_app.plan import (
     MAX_MODEL_LEN_CAP,
@@ -45,6 +48,33 @@ def test_replicas_together_admit_exactly_k_plus_one_batches(k: int) -> None:
     assert all(r.rollout.max_staleness == k for r in run.replicas)
     assert run.trainer.ppo.max_staleness == k
     assert run.queue_maxsize == queue_maxsize(config) == (k + 2) * 16
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_one_staleness_bound_reaches_every_replica_and_the_trainer(mode: str) -> None:
+    run = plan(TrainConfig(mode=mode, rollout_replicas=3, batch_size=6, max_staleness=3))
+    assert isinstance(run.staleness, rollout_engine.StalenessBound)
+    assert run.staleness.max_staleness == (3 if mode == "async" else 0)
+    # The same object, not equal copies: no component can hold a different bound.
+    assert all(replica.staleness is run.staleness for replica in run.replicas)
+    assert all(rank.staleness is run.staleness for rank in run.trainer_ranks)
+    assert run.trainer.ppo.max_staleness == run.staleness.max_staleness
+
+
+def test_the_actors_hand_the_plans_bound_to_the_rollouter_and_the_trainer() -> None:
+    """The actors need Ray and vLLM to build; their source shows which bound they pass."""
+    tree = ast.parse(Path(train_app.actors.__file__).read_text())
+    passed = {
+        # PPOTrainer is built through asyncio.to_thread(PPOTrainer, ...): name the class.
+        ast.unparse(
+            call.args[0] if call.args and "to_thread" in ast.unparse(call.func) else call.func
+        ): ast.unparse(keyword.value)
+        for call in ast.walk(tree)
+        if isinstance(call, ast.Call)
+        for keyword in call.keywords
+        if keyword.arg == "staleness_bound"
+    }
+    assert passed == {"Rollouter": "plan.staleness", "PPOTrainer": "plan.staleness"}
 
 
 def test_more_replicas_than_groups_per_batch_is_rejected() -> None:

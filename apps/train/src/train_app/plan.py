@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ppo_trainer import PPOConfig
-from rollout_engine import RolloutSnapshot, SamplingConfig
+from rollout_engine import RolloutSnapshot, SamplingConfig, StalenessBound
 from rollout_engine.rollouter import RolloutConfig
 from rollout_engine.vllm_engine import VLLMEngineConfig
 
@@ -175,19 +175,6 @@ TRAINER_INITIAL_VERSION = 0
 BACKGROUND_PUSH = True
 
 
-@dataclass(frozen=True)
-class StalenessBound:
-    """How far behind the trainer a group may be: its staleness is the trainer's version
-    minus the version its oldest token was generated with, and it trains only while that
-    is at most `max_staleness` (k). Stand-in with the shape of
-    `rollout_engine.StalenessBound`: replace it by that import once the package has it."""
-
-    max_staleness: int
-
-    def too_stale(self, staleness: int) -> bool:
-        return staleness > self.max_staleness
-
-
 def staleness_bound(config: TrainConfig) -> StalenessBound:
     """THE one place a run's staleness bound is built (from `--max-staleness`; 0 in sync
     mode): the queue's size, every rollouter's admission, the trainer's queue reads and a
@@ -248,6 +235,9 @@ class ReplicaPlan:
     requeued: int = 0
     """Groups of the resumed checkpoint's queue put back on the queue that count as this
     replica's deliveries in its admission budget (`Rollouter.count_requeued`; its share)."""
+    staleness: StalenessBound = field(kw_only=True)
+    """The run's staleness bound (`RunPlan.staleness`): this replica's admission budget and
+    its delivery-time check (`Rollouter(staleness_bound=...)`)."""
 
 
 @dataclass(frozen=True)
@@ -448,6 +438,7 @@ def _replica_plans(
             restore=restores[i],
             resources=parse_resources(config.rollout_resources),
             requeued=requeued[i],
+            staleness=bound,
         )
         for i, share in enumerate(shares)
     )
