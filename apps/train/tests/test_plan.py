@@ -215,3 +215,34 @@ def test_a_trainer_rank_trains_on_the_gpu_ray_gave_it_and_on_the_cpu_otherwise()
     assert trainer_device(["0"], cuda_available=True) == "cuda"
     assert trainer_device([], cuda_available=True) == "cpu"
     assert trainer_device(["0"], cuda_available=False) == "cpu"  # a broken CUDA install
+
+
+@pytest.mark.parametrize("filter_groups", ["none", "zero-variance"])
+def test_filter_groups_reaches_every_rollout_config(filter_groups: str) -> None:
+    run = plan(TrainConfig(filter_groups=filter_groups, rollout_replicas=2, batch_size=4))
+    assert [r.rollout.filter_groups for r in run.replicas] == [filter_groups] * 2
+
+
+def test_filter_groups_defaults_to_keeping_every_group() -> None:
+    assert all(r.rollout.filter_groups == "none" for r in plan(TrainConfig()).replicas)
+
+
+def test_clip_eps_high_and_deterministic_reach_the_ppo_config() -> None:
+    default = plan(TrainConfig()).trainer.ppo
+    assert default.clip_eps_high is None and default.deterministic is False
+    ppo = plan(TrainConfig(clip_eps=0.2, clip_eps_high=0.28, deterministic=True)).trainer.ppo
+    assert (ppo.clip_eps, ppo.clip_eps_high, ppo.deterministic) == (0.2, 0.28, True)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"clip_eps_high": 0.0}, "--clip-eps-high must be > 0"),
+        ({"clip_eps_high": -0.1}, "--clip-eps-high must be > 0"),
+        ({"clip_eps_high": float("nan")}, "--clip-eps-high must be > 0"),
+        ({"filter_groups": "all-zero"}, "--filter-groups all-zero: choose from"),
+    ],
+)
+def test_bad_clip_eps_high_and_filter_groups_are_rejected(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**changes).validate()

@@ -114,6 +114,12 @@ MAX_CONSECUTIVE_FAILURES = 32
 # Failed groups a rollouter keeps in memory for failures.json (counts are kept for all).
 RECENT_FAILURES_KEPT = 256
 
+# A trainer consumes every group and advances the version: admission keeps its budget.
+GENERATION_ONLY = False
+# Seconds admission may wait on the budget with no new version before a rollouter warns
+# (once per stall): far above a step on this app's CPU models, so only a stuck trainer.
+STALL_WARNING_S = 120.0
+
 # vLLM engine: float32 keeps behaviour log-probs comparable with the float32 trainer to ~1e-6.
 ENGINE_DTYPE = "float32"
 # KV cache of each engine (GiB): enough for a tiny model's groups on CPU.
@@ -136,6 +142,8 @@ ENGINE_IO_THREADS = 1
 # Tokens per streamed delta: fewer deltas cost less CPU per token, and version stamps stay
 # exact either way.
 STREAM_INTERVAL = 8
+# The engine core ends with its actor however the actor dies (no orphaned engine core).
+ENGINE_TIED_TO_HOST = True
 # Seconds an engine's close lets its engine-core process exit before killing it.
 ENGINE_SHUTDOWN_TIMEOUT_S = 2.0
 
@@ -147,8 +155,7 @@ ADAM_EPS = 1e-8
 WARMUP_STEPS = 0
 NUM_MINIBATCHES = 1
 GRAD_ACCUM = 1
-# Symmetric clipping, no dual clip: the standard PPO objective.
-CLIP_EPS_HIGH = None
+# No dual clip: the standard PPO objective (the upper clip is `--clip-eps-high`).
 DUAL_CLIP = None
 # Importance ratios against the behaviour policy's log-probs (what async staleness needs).
 USE_BEHAVIOUR_LOGPROBS = True
@@ -472,6 +479,9 @@ def _rollout_config(
         stop_timeout_s=ROLLOUT_STOP_TIMEOUT_S,
         max_consecutive_failures=MAX_CONSECUTIVE_FAILURES,
         recent_failures=RECENT_FAILURES_KEPT,
+        filter_groups=config.filter_groups,
+        generation_only=GENERATION_ONLY,
+        stall_warning_s=STALL_WARNING_S,
     )
 
 
@@ -498,6 +508,7 @@ def _engine_config(
         io_threads=ENGINE_IO_THREADS,
         stream_interval=STREAM_INTERVAL,
         shutdown_timeout_s=ENGINE_SHUTDOWN_TIMEOUT_S,
+        tie_to_host=ENGINE_TIED_TO_HOST,
         extra_engine_args={},
         image_token_id=None,  # the actor sets a vision task's (its processor knows it)
     )
@@ -519,7 +530,7 @@ def _ppo_config(config: TrainConfig, bound: StalenessBound, run_dir: Path) -> PP
         num_minibatches=NUM_MINIBATCHES,
         grad_accum=GRAD_ACCUM,
         clip_eps=config.clip_eps,
-        clip_eps_high=CLIP_EPS_HIGH,
+        clip_eps_high=config.clip_eps_high,
         dual_clip=DUAL_CLIP,
         is_cap=config.is_cap,
         is_level=config.is_level,
@@ -546,6 +557,7 @@ def _ppo_config(config: TrainConfig, bound: StalenessBound, run_dir: Path) -> PP
         initial_version=TRAINER_INITIAL_VERSION,
         background_push=BACKGROUND_PUSH,
         seed=config.seed,
+        deterministic=config.deterministic,
         checkpoint_dir=str(run_dir / "checkpoints"),
         checkpoint_every=config.checkpoint_every,
         keep_checkpoints=KEEP_CHECKPOINTS,
