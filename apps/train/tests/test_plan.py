@@ -234,6 +234,12 @@ def test_clip_eps_high_and_deterministic_reach_the_ppo_config() -> None:
     assert (ppo.clip_eps, ppo.clip_eps_high, ppo.deterministic) == (0.2, 0.28, True)
 
 
+def test_deterministic_seeds_the_sampling_from_the_run_seed() -> None:
+    assert all(r.rollout.sampling.seed is None for r in plan(TrainConfig(seed=4)).replicas)
+    run = plan(TrainConfig(seed=4, deterministic=True, rollout_replicas=2, batch_size=4))
+    assert [r.rollout.sampling.seed for r in run.replicas] == [4, 4]
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [

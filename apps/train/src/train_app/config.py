@@ -194,8 +194,8 @@ class TrainConfig:
     unsigned)."""
 
     deterministic: bool = False
-    """Repeatable trainer steps: torch's deterministic kernels and its RNG seeded with
-    `--seed` (may be slower on a GPU)."""
+    """Repeatable runs: each group's sampling is seeded from `--seed` and its prompt, and
+    the trainer uses torch's deterministic kernels with its RNG seeded (may be slower)."""
 
     checkpoint_every: int = 40
     """Trainer steps between checkpoints; there is always one at the end and one at Ctrl-C or

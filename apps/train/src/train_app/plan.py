@@ -93,8 +93,9 @@ TRAINER_ACTOR_MAX_CONCURRENCY = 16
 FALLBACK_PAD_TOKEN_ID = 0
 
 # Sampling: plain temperature sampling over the whole vocabulary (on-policy log-probs need
-# the unmodified distribution), stopping at EOS; per-request seeds are not fixed (the
-# engine's own seed makes a run reproducible enough).
+# the unmodified distribution), stopping at EOS. Requests are unseeded unless
+# `--deterministic` (then each group's seed derives from `--seed` and its prompt id):
+# seeded requests cost vLLM a generator per request.
 TOP_P = 1.0
 TOP_K = -1
 SAMPLING_SEED = None
@@ -459,7 +460,7 @@ def _rollout_config(
         temperature=config.temperature,
         top_p=TOP_P,
         top_k=TOP_K,
-        seed=SAMPLING_SEED,
+        seed=config.seed if config.deterministic else SAMPLING_SEED,
         stop_token_ids=() if eos_token_id is None else (eos_token_id,),
         ignore_eos=IGNORE_EOS,
     )
