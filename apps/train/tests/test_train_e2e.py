@@ -336,6 +336,8 @@ def test_vision_run_counts_corrupt_images_as_failed_samples(tmp_path: Path) -> N
     assert failures and all(f["error_type"] == "VisionDecodeError" for f in failures)
 
 
+# Two whole runs: measured 574 s on the shared 2-core machine (load 13-30, Ray's start
+# retried under it; about 4 minutes of each run is Ray and vLLM starting).
 def test_deterministic_sync_runs_repeat_their_rewards(tmp_path: Path) -> None:
     """`--deterministic --mode sync`: two runs of the same seed sample the same responses
     (seeded per group) and take the same steps, so `reward/mean` repeats at every step."""
