@@ -18,7 +18,7 @@ def _counts(
     trainer_dropped: int = 1,
 ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     rollout = {"admitted": delivered, "delivered": delivered, "failed": 0, "dropped": 0}
-    rollout["in_flight"] = 0
+    rollout |= {"filtered": 0, "in_flight": 0}
     queue = {
         "requeued": requeued,
         "produced": produced,
@@ -80,3 +80,21 @@ def test_inputs_are_not_changed_and_settled_is_passed_through() -> None:
     assert rollout == before
     assert groups["settled"] is False
     assert groups["queue"] == queue and groups["trainer"] == trainer
+
+
+@pytest.mark.parametrize("outcome", ["failed", "dropped", "filtered", "in_flight"])
+def test_every_admitted_group_that_was_not_delivered_is_accounted_for(outcome: str) -> None:
+    rollout, queue, trainer = _counts()
+    rollout["admitted"] += 3
+    assert not balance_groups(rollout, queue, trainer, restarts=0, settled=True)["balanced"]
+    rollout[outcome] += 3  # the three admitted groups went there
+    groups = balance_groups(rollout, queue, trainer, restarts=0, settled=True)
+    assert groups["balanced"]
+    assert groups["rollout"][outcome] == 3
+
+
+def test_filtered_groups_never_reach_the_queue() -> None:
+    """A filtered group counted as delivered too would be a group the queue never got."""
+    rollout, queue, trainer = _counts()
+    rollout |= {"admitted": rollout["admitted"] + 2, "filtered": 2, "delivered": 12}
+    assert not balance_groups(rollout, queue, trainer, restarts=0, settled=True)["balanced"]

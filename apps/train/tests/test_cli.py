@@ -49,6 +49,23 @@ def test_advantage_flag(recorded: list[TrainConfig]) -> None:
     assert [c.advantage for c in recorded] == ["grpo", "gae", "rloo"]
 
 
+def test_filter_clip_and_determinism_flags(recorded: list[TrainConfig]) -> None:
+    assert cli.main([]) == 0
+    argv = ["--filter-groups", "zero-variance", "--clip-eps-high", "0.28", "--deterministic"]
+    assert cli.main(argv) == 0
+    default, chosen = recorded
+    assert (default.filter_groups, default.clip_eps_high, default.deterministic) == (
+        "none",
+        None,
+        False,
+    )
+    assert (chosen.filter_groups, chosen.clip_eps_high, chosen.deterministic) == (
+        "zero-variance",
+        0.28,
+        True,
+    )
+
+
 def test_toml_config_with_command_line_overrides(tmp_path: Path, recorded) -> None:
     path = tmp_path / "run.toml"
     path.write_text('steps = 11\nbatch_size = 3\ntask = "repeat"\nmax_staleness = 1\n')
@@ -105,6 +122,7 @@ BAD_FLAGS = [
     (["--is-cap", "0"], "--is-cap must be > 0"),
     (["--clip-eps", "-1"], "--clip-eps must be in [0, 1)"),
     (["--clip-eps", "1.5"], "--clip-eps must be in [0, 1)"),
+    (["--clip-eps-high", "0"], "--clip-eps-high must be > 0"),
     (["--min-lr-ratio", "2"], "--min-lr-ratio must be in [0, 1]"),
     (["--max-grad-norm", "0"], "--max-grad-norm must be > 0"),
     (["--corrupt-images", "1"], "--corrupt-images must be in [0, 1)"),

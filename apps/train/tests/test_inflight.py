@@ -214,7 +214,7 @@ def test_every_answering_replica_writes_its_file_and_the_others_are_listed(
 def test_the_driver_resumes_with_the_latest_checkpoints_partials(tmp_path: Path) -> None:
     """`run`'s resume point (torch-free): the checkpoint `latest` names, its consumed prompts,
     and its in-flight groups less those prompts; `plan` then deals them."""
-    from ppo_trainer import TrainerState
+    from ppo_trainer import TrainerState, write_manifest
     from ppo_trainer.checkpoint_meta import STATE_FILE
     from train_app.driver import resume_point
 
@@ -232,6 +232,7 @@ def test_the_driver_resumes_with_the_latest_checkpoints_partials(tmp_path: Path)
     (tmp_path / "config.toml").write_text("")  # a run directory, as `--resume` checks
     config = TrainConfig(resume=tmp_path, rollout_replicas=1, batch_size=4, group_size=2)
 
+    write_manifest(checkpoint)  # last, as the trainer writes it
     resume = resume_point(config, tmp_path)
     assert (resume.step, resume.version, resume.checkpoint) == (4, 4, str(checkpoint))
     assert [_ids(s) for s in resume.inflight] == [["s1000-5"], ["s1001-2"]]  # s1000-0 trained
@@ -361,7 +362,7 @@ def test_the_driver_puts_back_the_queued_groups_and_continues_only_the_others(
     """`run`'s resume point: a group in both files (delivered between its replica's snapshot
     and the queue's copy) is put back finished, not continued; a too-stale queued group is
     neither put back nor skipped."""
-    from ppo_trainer import TrainerState
+    from ppo_trainer import TrainerState, write_manifest
     from ppo_trainer.checkpoint_meta import STATE_FILE
     from train_app.driver import resume_point
 
@@ -380,6 +381,7 @@ def test_the_driver_puts_back_the_queued_groups_and_continues_only_the_others(
     config = TrainConfig(resume=tmp_path, rollout_replicas=1, batch_size=4, group_size=2,
                          max_staleness=1)  # fmt: skip
 
+    write_manifest(checkpoint)  # last, as the trainer writes it
     resume = resume_point(config, tmp_path)
     assert [i.item_id for i in resume.queued.items] == ["s1000-5"]
     assert resume.queued.dropped_stale == 1  # s1000-1: version 1 at version 4, k = 1

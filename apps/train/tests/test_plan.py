@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
+import rollout_engine
+import train_app.actors
 from train_app.config import TrainConfig, parse_resources
 from train_app.plan import (
     MAX_MODEL_LEN_CAP,
@@ -45,6 +48,33 @@ def test_replicas_together_admit_exactly_k_plus_one_batches(k: int) -> None:
     assert all(r.rollout.max_staleness == k for r in run.replicas)
     assert run.trainer.ppo.max_staleness == k
     assert run.queue_maxsize == queue_maxsize(config) == (k + 2) * 16
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_one_staleness_bound_reaches_every_replica_and_the_trainer(mode: str) -> None:
+    run = plan(TrainConfig(mode=mode, rollout_replicas=3, batch_size=6, max_staleness=3))
+    assert isinstance(run.staleness, rollout_engine.StalenessBound)
+    assert run.staleness.max_staleness == (3 if mode == "async" else 0)
+    # The same object, not equal copies: no component can hold a different bound.
+    assert all(replica.staleness is run.staleness for replica in run.replicas)
+    assert all(rank.staleness is run.staleness for rank in run.trainer_ranks)
+    assert run.trainer.ppo.max_staleness == run.staleness.max_staleness
+
+
+def test_the_actors_hand_the_plans_bound_to_the_rollouter_and_the_trainer() -> None:
+    """The actors need Ray and vLLM to build; their source shows which bound they pass."""
+    tree = ast.parse(Path(train_app.actors.__file__).read_text())
+    passed = {
+        # PPOTrainer is built through asyncio.to_thread(PPOTrainer, ...): name the class.
+        ast.unparse(
+            call.args[0] if call.args and "to_thread" in ast.unparse(call.func) else call.func
+        ): ast.unparse(keyword.value)
+        for call in ast.walk(tree)
+        if isinstance(call, ast.Call)
+        for keyword in call.keywords
+        if keyword.arg == "staleness_bound"
+    }
+    assert passed == {"Rollouter": "plan.staleness", "PPOTrainer": "plan.staleness"}
 
 
 def test_more_replicas_than_groups_per_batch_is_rejected() -> None:
@@ -185,3 +215,40 @@ def test_a_trainer_rank_trains_on_the_gpu_ray_gave_it_and_on_the_cpu_otherwise()
     assert trainer_device(["0"], cuda_available=True) == "cuda"
     assert trainer_device([], cuda_available=True) == "cpu"
     assert trainer_device(["0"], cuda_available=False) == "cpu"  # a broken CUDA install
+
+
+@pytest.mark.parametrize("filter_groups", ["none", "zero-variance"])
+def test_filter_groups_reaches_every_rollout_config(filter_groups: str) -> None:
+    run = plan(TrainConfig(filter_groups=filter_groups, rollout_replicas=2, batch_size=4))
+    assert [r.rollout.filter_groups for r in run.replicas] == [filter_groups] * 2
+
+
+def test_filter_groups_defaults_to_keeping_every_group() -> None:
+    assert all(r.rollout.filter_groups == "none" for r in plan(TrainConfig()).replicas)
+
+
+def test_clip_eps_high_and_deterministic_reach_the_ppo_config() -> None:
+    default = plan(TrainConfig()).trainer.ppo
+    assert default.clip_eps_high is None and default.deterministic is False
+    ppo = plan(TrainConfig(clip_eps=0.2, clip_eps_high=0.28, deterministic=True)).trainer.ppo
+    assert (ppo.clip_eps, ppo.clip_eps_high, ppo.deterministic) == (0.2, 0.28, True)
+
+
+def test_deterministic_seeds_the_sampling_from_the_run_seed() -> None:
+    assert all(r.rollout.sampling.seed is None for r in plan(TrainConfig(seed=4)).replicas)
+    run = plan(TrainConfig(seed=4, deterministic=True, rollout_replicas=2, batch_size=4))
+    assert [r.rollout.sampling.seed for r in run.replicas] == [4, 4]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"clip_eps_high": 0.0}, "--clip-eps-high must be > 0"),
+        ({"clip_eps_high": -0.1}, "--clip-eps-high must be > 0"),
+        ({"clip_eps_high": float("nan")}, "--clip-eps-high must be > 0"),
+        ({"filter_groups": "all-zero"}, "--filter-groups all-zero: choose from"),
+    ],
+)
+def test_bad_clip_eps_high_and_filter_groups_are_rejected(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**changes).validate()

@@ -100,3 +100,16 @@ def test_the_old_driver_module_still_answers_and_warns_for_moved_private_names()
         assert old._resume_point is driver.resume_point
     with pytest.raises(AttributeError):
         old._Session  # noqa: B018
+
+
+def test_an_unnamed_run_is_named_after_its_task_source(tmp_path: Path) -> None:
+    """A `--dataset` run is `dataset-...` and an `--env` run the library's name, not the
+    default `--task` (`repeat`) it never uses."""
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    runs = tmp_path / "runs"
+    assert prepare_run_dir(TrainConfig(runs_dir=runs)).name.startswith("repeat-async-")
+    by_dataset = prepare_run_dir(TrainConfig(runs_dir=runs, dataset=dataset, mode="sync"))
+    assert by_dataset.name.startswith("dataset-sync-")
+    by_env = prepare_run_dir(TrainConfig(runs_dir=runs, env="reasoning-gym:gcd"))
+    assert by_env.name.startswith("reasoning-gym-async-")

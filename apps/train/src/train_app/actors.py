@@ -186,6 +186,7 @@ class RolloutActor:
             # Multi-turn tasks (`tool`) give an environment per episode and its limits.
             environment=getattr(task, "environment", None),
             episode=getattr(task, "episode", None),
+            staleness_bound=plan.staleness,
         )
         if plan.restore is not None:  # a resumed run's in-flight groups (train_app.inflight)
             self._rollouter.restore(plan.restore)
@@ -473,6 +474,7 @@ class TrainerActor:
             data_parallel=self._dp,
             on_checkpoint=self._save_inflight,
             checkpoint_labels=plan.checkpoint_labels,
+            staleness_bound=plan.staleness,
         )
         if self._stop_requested:  # stop() came while the model was loading
             self._trainer.stop()

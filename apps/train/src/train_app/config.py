@@ -103,6 +103,11 @@ class TrainConfig:
     what keeps the trainer fed (samples about one version old when the trainer is the
     bottleneck), `eager` spends all k versions at once."""
 
+    filter_groups: Literal["none", "zero-variance"] = "none"
+    """Groups the rollouters leave out of the queue: `zero-variance` drops a group whose
+    responses all have the same reward (GRPO gives it zero advantage, so it would only cost
+    a step's compute; counted in `rollout/filtered_groups`), `none` keeps every group."""
+
     sync_every: int = 1
     """Trainer steps between weight pushes (each push is one new policy version)."""
 
@@ -178,6 +183,11 @@ class TrainConfig:
     clip_eps: float = 0.2
     """PPO ratio clip."""
 
+    clip_eps_high: float | None = None
+    """Upper ratio clip ("clip-higher"): ratios are clipped to [1 - clip-eps, 1 +
+    clip-eps-high], so a token the update makes likelier may rise further than one it makes
+    unlikelier may fall (DAPO: 0.28 with clip-eps 0.2). Unset: clip-eps (symmetric)."""
+
     is_cap: float = 5.0
     """Cap of the truncated importance weight (behaviour -> proximal policy)."""
 
@@ -191,6 +201,10 @@ class TrainConfig:
     seed: int = 0
     """Seed for the model init, prompts and sampling (>= 0: numpy's and vLLM's seeds are
     unsigned)."""
+
+    deterministic: bool = False
+    """Repeatable runs: each group's sampling is seeded from `--seed` and its prompt, and
+    the trainer uses torch's deterministic kernels with its RNG seeded (may be slower)."""
 
     checkpoint_every: int = 40
     """Trainer steps between checkpoints; there is always one at the end and one at Ctrl-C or
@@ -268,6 +282,8 @@ def _check_numbers(config: TrainConfig) -> None:
         raise ValueError(f"--clip-eps must be in [0, 1), got {config.clip_eps}")
     if not 0.0 <= config.min_lr_ratio <= 1.0:
         raise ValueError(f"--min-lr-ratio must be in [0, 1], got {config.min_lr_ratio}")
+    if config.clip_eps_high is not None and not config.clip_eps_high > 0:
+        raise ValueError(f"--clip-eps-high must be > 0, got {config.clip_eps_high}")
     if config.max_grad_norm is not None and not config.max_grad_norm > 0:
         raise ValueError(f"--max-grad-norm must be > 0, got {config.max_grad_norm}")
     if not 0.0 <= config.corrupt_images < 1.0:
@@ -301,6 +317,8 @@ def _check_choices(config: TrainConfig) -> None:
         raise ValueError(f"--task {config.task}: choose from {sorted(all_tasks())}")
     if config.advantage not in ("grpo", "rloo", "gae"):
         raise ValueError(f"--advantage {config.advantage}: choose from grpo, rloo, gae")
+    if config.filter_groups not in ("none", "zero-variance"):
+        raise ValueError(f"--filter-groups {config.filter_groups}: choose from none, zero-variance")
     for field in ("rollout_resources", "trainer_resources"):
         try:
             resources = parse_resources(getattr(config, field))

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ppo_trainer import PPOConfig
-from rollout_engine import RolloutSnapshot, SamplingConfig
+from rollout_engine import RolloutSnapshot, SamplingConfig, StalenessBound
 from rollout_engine.rollouter import RolloutConfig
 from rollout_engine.vllm_engine import VLLMEngineConfig
 
@@ -95,8 +95,9 @@ TRAINER_ACTOR_MAX_CONCURRENCY = 16
 FALLBACK_PAD_TOKEN_ID = 0
 
 # Sampling: plain temperature sampling over the whole vocabulary (on-policy log-probs need
-# the unmodified distribution), stopping at EOS; per-request seeds are not fixed (the
-# engine's own seed makes a run reproducible enough).
+# the unmodified distribution), stopping at EOS. Requests are unseeded unless
+# `--deterministic` (then each group's seed derives from `--seed` and its prompt id):
+# seeded requests cost vLLM a generator per request.
 TOP_P = 1.0
 TOP_K = -1
 SAMPLING_SEED = None
@@ -115,6 +116,12 @@ ROLLOUT_STOP_TIMEOUT_S = 10.0
 MAX_CONSECUTIVE_FAILURES = 32
 # Failed groups a rollouter keeps in memory for failures.json (counts are kept for all).
 RECENT_FAILURES_KEPT = 256
+
+# A trainer consumes every group and advances the version: admission keeps its budget.
+GENERATION_ONLY = False
+# Seconds admission may wait on the budget with no new version before a rollouter warns
+# (once per stall): far above a step on this app's CPU models, so only a stuck trainer.
+STALL_WARNING_S = 120.0
 
 # vLLM engine: float32 keeps behaviour log-probs comparable with the float32 trainer to ~1e-6.
 ENGINE_DTYPE = "float32"
@@ -138,6 +145,8 @@ ENGINE_IO_THREADS = 1
 # Tokens per streamed delta: fewer deltas cost less CPU per token, and version stamps stay
 # exact either way.
 STREAM_INTERVAL = 8
+# The engine core ends with its actor however the actor dies (no orphaned engine core).
+ENGINE_TIED_TO_HOST = True
 # Seconds an engine's close lets its engine-core process exit before killing it.
 ENGINE_SHUTDOWN_TIMEOUT_S = 2.0
 
@@ -149,8 +158,7 @@ ADAM_EPS = 1e-8
 WARMUP_STEPS = 0
 NUM_MINIBATCHES = 1
 GRAD_ACCUM = 1
-# Symmetric clipping, no dual clip: the standard PPO objective.
-CLIP_EPS_HIGH = None
+# No dual clip: the standard PPO objective (the upper clip is `--clip-eps-high`).
 DUAL_CLIP = None
 # Importance ratios against the behaviour policy's log-probs (what async staleness needs).
 USE_BEHAVIOUR_LOGPROBS = True
@@ -175,19 +183,6 @@ VALUE_CLIP = 0.2
 TRAINER_INITIAL_VERSION = 0
 # Push weights in the background of the next step (the push overlaps compute).
 BACKGROUND_PUSH = True
-
-
-@dataclass(frozen=True)
-class StalenessBound:
-    """How far behind the trainer a group may be: its staleness is the trainer's version
-    minus the version its oldest token was generated with, and it trains only while that
-    is at most `max_staleness` (k). Stand-in with the shape of
-    `rollout_engine.StalenessBound`: replace it by that import once the package has it."""
-
-    max_staleness: int
-
-    def too_stale(self, staleness: int) -> bool:
-        return staleness > self.max_staleness
 
 
 def staleness_bound(config: TrainConfig) -> StalenessBound:
@@ -250,6 +245,9 @@ class ReplicaPlan:
     requeued: int = 0
     """Groups of the resumed checkpoint's queue put back on the queue that count as this
     replica's deliveries in its admission budget (`Rollouter.count_requeued`; its share)."""
+    staleness: StalenessBound = field(kw_only=True)
+    """The run's staleness bound (`RunPlan.staleness`): this replica's admission budget and
+    its delivery-time check (`Rollouter(staleness_bound=...)`)."""
 
 
 @dataclass(frozen=True)
@@ -476,6 +474,7 @@ def _replica_plans(
             restore=restores[i],
             resources=parse_resources(config.rollout_resources),
             requeued=requeued[i],
+            staleness=bound,
         )
         for i, share in enumerate(shares)
     )
@@ -489,7 +488,7 @@ def _rollout_config(
         temperature=config.temperature,
         top_p=TOP_P,
         top_k=TOP_K,
-        seed=SAMPLING_SEED,
+        seed=config.seed if config.deterministic else SAMPLING_SEED,
         stop_token_ids=eos_token_ids,
         ignore_eos=IGNORE_EOS,
     )
@@ -509,6 +508,9 @@ def _rollout_config(
         stop_timeout_s=ROLLOUT_STOP_TIMEOUT_S,
         max_consecutive_failures=MAX_CONSECUTIVE_FAILURES,
         recent_failures=RECENT_FAILURES_KEPT,
+        filter_groups=config.filter_groups,
+        generation_only=GENERATION_ONLY,
+        stall_warning_s=STALL_WARNING_S,
     )
 
 
@@ -535,6 +537,7 @@ def _engine_config(
         io_threads=ENGINE_IO_THREADS,
         stream_interval=STREAM_INTERVAL,
         shutdown_timeout_s=ENGINE_SHUTDOWN_TIMEOUT_S,
+        tie_to_host=ENGINE_TIED_TO_HOST,
         extra_engine_args={},
         image_token_id=None,  # the actor sets a vision task's (its processor knows it)
     )
@@ -556,7 +559,7 @@ def _ppo_config(config: TrainConfig, bound: StalenessBound, run_dir: Path) -> PP
         num_minibatches=NUM_MINIBATCHES,
         grad_accum=GRAD_ACCUM,
         clip_eps=config.clip_eps,
-        clip_eps_high=CLIP_EPS_HIGH,
+        clip_eps_high=config.clip_eps_high,
         dual_clip=DUAL_CLIP,
         is_cap=config.is_cap,
         is_level=config.is_level,
@@ -583,6 +586,7 @@ def _ppo_config(config: TrainConfig, bound: StalenessBound, run_dir: Path) -> PP
         initial_version=TRAINER_INITIAL_VERSION,
         background_push=BACKGROUND_PUSH,
         seed=config.seed,
+        deterministic=config.deterministic,
         checkpoint_dir=str(run_dir / "checkpoints"),
         checkpoint_every=config.checkpoint_every,
         keep_checkpoints=KEEP_CHECKPOINTS,

@@ -7,6 +7,8 @@ staleness check and the delivery to the sink stay in the rollouter.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,7 +29,26 @@ from rollout_engine.types import (
     Trajectory,
 )
 
-__all__ = ["GroupJob", "GroupRunner", "MultiModalInputs", "image_sources"]
+__all__ = ["GroupJob", "GroupRunner", "MultiModalInputs", "image_sources", "request_seed"]
+
+# Request seeds stay below 2**31 (numpy's and some samplers' limit) with room for vLLM's
+# per-response offset (`seed + response index` for a request of n samples).
+_SEED_SPACE = 2**31 - 2**16
+
+
+def request_seed(seed: int, prompt_id: str) -> int:
+    """The sampling seed of the group of `prompt_id` in a run seeded `seed`: the same for
+    the same pair in every run and process (unlike `hash`), unrelated across prompts."""
+    digest = hashlib.blake2b(f"{seed}:{prompt_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % _SEED_SPACE
+
+
+def _seeded(sampling: SamplingConfig, prompt_id: str, offset: int = 0) -> SamplingConfig:
+    """`sampling` with its seed (if set) turned into this group's (+ `offset`, a response
+    index): a fixed seed repeats a run's samples without every prompt sharing one stream."""
+    if sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=request_seed(sampling.seed, prompt_id) + offset)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +171,7 @@ class GroupRunner:
         self, job: GroupJob, multi_modal_data: dict[str, Any] | None
     ) -> list[PartialResponse]:
         prompt_ids = list(job.sample.prompt_token_ids)
+        sampling = _seeded(self._sampling, job.sample.prompt_id)
         if job.restored:
             responses = list(job.restored)
         else:
@@ -157,7 +179,7 @@ class GroupRunner:
             completions = await self._engine_generate(
                 job.group_id,
                 prompt_ids,
-                self._sampling,
+                sampling,
                 n=self._group_size,
                 multi_modal_data=multi_modal_data,
             )
@@ -173,7 +195,8 @@ class GroupRunner:
                 response,
                 request_id=f"{job.group_id}:{index}",
                 prompt_ids=prompt_ids,
-                sampling=self._sampling,
+                # One stream per response, as vLLM seeds the samples of an n-sample request.
+                sampling=_seeded(self._sampling, job.sample.prompt_id, index),
                 multi_modal_data=multi_modal_data,
                 wait_until_resumed=self._wait_until_resumed,
                 on_resubmit=self._on_resubmit,

@@ -164,6 +164,8 @@ class SamplingConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # Set: each group's request is seeded from this and its prompt id (`group.request_seed`;
+    # vLLM adds the response index), so a run repeats its samples. None: unseeded.
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     # Generate exactly max_tokens (benchmarks, tests); never set for RL rollouts.

@@ -1,11 +1,13 @@
 """Where every group of a run went (summary.json's `groups`).
 
 `balance_groups` is the pure part: given what the rollouters, the queue and the trainer
-counted, it says whether the counts balance. Balanced: the rollouters delivered what the
-queue received (plus the groups a resume put back, `requeued`); the queue's items were
-consumed, dropped or are still queued; the trainer trained on or dropped what it consumed.
-After a rollouter restart the replaced replicas' deliveries are the queue's excess
-(`delivered_by_replaced_replicas`): their own counters died with them.
+counted, it says whether the counts balance. Balanced: every group the rollouters admitted
+was delivered, failed, dropped as too stale, filtered out (`--filter-groups`) or is still in
+flight; the rollouters delivered what the queue received (plus the groups a resume put
+back, `requeued`); the queue's items were consumed, dropped or are still queued; the
+trainer trained on or dropped what it consumed. After a rollouter restart the replaced
+replicas' deliveries are the queue's excess (`delivered_by_replaced_replicas`): their own
+counters died with them.
 
 `account_groups` gathers those counts once the rollouters are quiet: none in flight and
 nothing admitted for a poll (admission stops them when the trainer stops consuming)."""
@@ -22,7 +24,7 @@ from train_app.driver.aio import await_ref
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ROLLOUT_COUNTS", "SETTLE_S", "account_groups", "balance_groups"]
+__all__ = ["ADMITTED_OUTCOMES", "ROLLOUT_COUNTS", "SETTLE_S", "account_groups", "balance_groups"]
 
 # After training, how long the accounting waits for the rollouters' in-flight groups to land
 # (admission stops them soon after the trainer stops consuming).
@@ -32,7 +34,9 @@ SETTLE_POLL_S = 0.5
 # Seconds each actor has to answer a count request before the accounting gives up on it.
 COUNTS_TIMEOUT_S = 5.0
 # The counters every rollouter reports (`RolloutActor.stats`).
-ROLLOUT_COUNTS = ("admitted", "delivered", "failed", "dropped", "in_flight")
+ROLLOUT_COUNTS = ("admitted", "delivered", "failed", "dropped", "filtered", "in_flight")
+# Where an admitted group can be: their sum is `admitted` (`rollout_engine.RolloutStats`).
+ADMITTED_OUTCOMES = ("delivered", "failed", "dropped", "filtered", "in_flight")
 
 
 def balance_groups(
@@ -54,7 +58,8 @@ def balance_groups(
         rollout["replaced"] = restarts
     replaced = rollout.get("delivered_by_replaced_replicas", 0)
     balanced = (
-        rollout["delivered"] + replaced + queue["requeued"] == queue["produced"]
+        rollout["admitted"] == sum(rollout[k] for k in ADMITTED_OUTCOMES)
+        and rollout["delivered"] + replaced + queue["requeued"] == queue["produced"]
         and replaced >= 0
         and queue["produced"] == queue["consumed"] + queue["dropped"] + queue["size"]
         and queue["consumed"] == trainer["trained"] + trainer["dropped"]

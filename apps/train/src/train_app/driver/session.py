@@ -42,6 +42,7 @@ from train_app.driver.startup import (
 )
 from train_app.driver.supervisor import Supervisor
 from train_app.plan import ResumePoint, RunPlan
+from train_app.tasks.spec import task_name
 
 __all__ = ["ENGINE_STOP_TIMEOUT_S", "QUEUE_CLOSE_TIMEOUT_S", "Session", "run"]
 
@@ -99,7 +100,7 @@ def _startup_line(config: TrainConfig, run_dir: Path) -> str:
     if config.trainer_workers > 1:
         engines += f", {config.trainer_workers} trainer ranks"
     logs = "logs on the terminal" if config.verbose else f"logs in {run_dir / 'logs'}"
-    return f"[bold]{run_dir.name}[/]: {config.task}, {config.mode}, {engines}; {logs}"
+    return f"[bold]{run_dir.name}[/]: {task_name(config)}, {config.mode}, {engines}; {logs}"
 
 
 async def _drive(

@@ -35,6 +35,7 @@ from train_app.plan import (
     plan,
     staleness_bound,
 )
+from train_app.tasks.spec import task_name
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +83,9 @@ def prepare_run_dir(config: TrainConfig) -> Path:
 
 
 def _new_run_name(config: TrainConfig) -> str:
-    """The task, mode and time, with a suffix if a run of the same second has the name."""
-    base = f"{config.task}-{config.mode}-{datetime.now():%Y%m%d-%H%M%S}"
+    """The task (`dataset` for a `--dataset` run, the library for `--env`), mode and time,
+    with a suffix if a run of the same second has the name."""
+    base = f"{task_name(config)}-{config.mode}-{datetime.now():%Y%m%d-%H%M%S}"
     name, count = base, 1
     while (Path(config.runs_dir) / name).exists():
         count += 1
