@@ -10,10 +10,12 @@ start and three tiny actors).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import pytest
 import ray
+import torch
 from async_queue import QueueClosed, QueueItem
 from rollout_engine import Timings, Trajectory
 from train_app.wiring import QueueBatchSource, QueueTrajectorySink, RolloutWeightSink
@@ -125,3 +127,31 @@ async def test_weight_sink_skips_a_dead_replica_and_brings_a_replacement_up_to_d
     assert await replacement.seen.remote() == [(3, 3), (4, 4)]
     assert await up_to_date.seen.remote() == []
     assert sink.last is not None and sink.last[1] == 4
+
+
+@ray.remote(num_cpus=0)
+class _TensorReplica:
+    """Receives a push as `RolloutActor.update_weights` does; keeps what it rebuilt."""
+
+    def __init__(self) -> None:
+        self.received: tuple[str, dict[str, torch.Tensor]] | None = None
+
+    async def update_weights(self, weights: Any, version: int) -> None:
+        from train_app.weight_wire import unpack_weights
+
+        self.received = (type(weights).__name__, unpack_weights(weights))
+
+    async def seen(self) -> tuple[str, dict[str, torch.Tensor]] | None:
+        return self.received
+
+
+async def test_weight_sink_pushes_tensors_packed_and_the_replica_rebuilds_them(
+    local_ray: None,
+) -> None:
+    weights = {"w": torch.randn(8, 4), "bf16": torch.randn(3, 5).to(torch.bfloat16)}
+    replica = _TensorReplica.remote()
+    await RolloutWeightSink([replica]).push_weights(weights, 1)
+    form, rebuilt = await replica.seen.remote()
+    assert form == "PackedWeights"  # numpy views: out-of-band in the object store
+    assert rebuilt.keys() == weights.keys()
+    assert all(torch.equal(rebuilt[k], weights[k]) for k in weights)

@@ -233,6 +233,24 @@ async def test_weights_through_a_shared_memory_file(vllm_engine, tiny_qwen2, mon
     assert os.listdir(shm_dir) == []  # the weights file is removed after the load
 
 
+async def test_weights_as_a_safetensors_blob(vllm_engine, tiny_qwen2, monkeypatch):
+    import dataclasses
+
+    new_model = tiny_qwen2.random_model(seed=17)
+    bytes_config = dataclasses.replace(vllm_engine.config, weight_transport="bytes")
+    monkeypatch.setattr(vllm_engine, "_config", bytes_config)
+
+    version = await load(vllm_engine, new_model)
+    prompt = tiny_qwen2.tokenizer.encode("4+4=")
+    [completion] = await vllm_engine.generate(
+        "blob", prompt, SamplingConfig(max_tokens=12, seed=3, ignore_eos=True)
+    )
+
+    assert completion.versions == [version] * 12
+    reference = hf_logprobs(new_model, prompt, completion.token_ids, 1.0)
+    assert mean_abs_diff(completion.logprobs, reference) < TOLERANCE
+
+
 async def test_engine_threads_can_be_pinned(vllm_engine):
     import os
 

@@ -130,8 +130,10 @@ class _EngineHost:
 
     async def push(self, refs: list[Any], version: int) -> dict[str, float]:
         """Fetch the weights (transfer), then pause, load and resume while a request streams."""
+        from train_app.weight_wire import unpack_weights
+
         started = time.perf_counter()
-        weights = await refs[0]
+        weights = unpack_weights(await refs[0])
         transfer_s = time.perf_counter() - started
         arrivals: list[float] = []
         arrived = asyncio.Event()
@@ -267,6 +269,7 @@ async def _pushes(host: Any, model: Any, count: int) -> tuple[dict[str, float], 
     """`count` pushes; each phase's best (the machine is shared), and the bytes pushed."""
     import ray
     from ppo_trainer import export_weights
+    from train_app.weight_wire import pack_weights
 
     runs: list[dict[str, float]] = []
     nbytes = 0
@@ -274,7 +277,7 @@ async def _pushes(host: Any, model: Any, count: int) -> tuple[dict[str, float], 
         started = time.perf_counter()
         weights = await asyncio.to_thread(export_weights, model)
         exported = time.perf_counter()
-        ref = await asyncio.to_thread(ray.put, weights)
+        ref = await asyncio.to_thread(ray.put, pack_weights(weights))  # as RolloutWeightSink
         put_s = time.perf_counter() - exported
         measured = await host.push.remote([ref], version)
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())

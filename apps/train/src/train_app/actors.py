@@ -233,9 +233,12 @@ class RolloutActor:
             await self._broken  # done: raises the push's error at once
         return await asyncio.shield(self._run_task)
 
-    async def update_weights(self, weights: dict[str, Any], version: int) -> None:
+    async def update_weights(self, weights: Any, version: int) -> None:
+        from train_app.weight_wire import unpack_weights
+
         try:
-            await self._rollouter.update_weights(weights, version)
+            # Tensors over the fetched object-store buffers (no copy); vLLM copies them in.
+            await self._rollouter.update_weights(unpack_weights(weights), version)
         except Exception as exc:
             # E.g. a dead engine (EngineDeadError): report it through wait(), with its cause.
             logger.exception("weights v%d could not be loaded", version)

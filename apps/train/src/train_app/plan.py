@@ -135,8 +135,8 @@ PREFIX_CACHING = True
 LOGPROBS_MODE = "processed_logprobs"
 # The vLLM worker extension that loads pushed weights in place.
 WEIGHT_SYNC_EXTENSION = "rollout_engine.vllm_worker.WeightSyncWorkerExtension"
-# Weights reach the engine as bytes in the Ray call: tiny models; "file" (SHM_DIR) for large.
-WEIGHT_TRANSPORT = "bytes"
+# Weights reach the engine as one flat file in SHM_DIR, mapped by the worker: fewest copies.
+WEIGHT_TRANSPORT = "flat"
 SHM_DIR = "/dev/shm"
 # One warm-up generation at start-up, so the first real step does not pay for it.
 ENGINE_WARMUP = True

@@ -59,6 +59,9 @@ _T = TypeVar("_T")
 # alive: vLLM never answers a utility call that was in flight when its engine core died, so
 # without the check a weight push would wait forever on a dead engine.
 DEAD_POLL_S = 0.25
+# Byte alignment of each tensor in a "flat" weights file, so the worker can view any dtype
+# (and vectorized kernels read aligned rows) straight from the mapped file.
+FLAT_ALIGNMENT = 64
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,9 @@ class VLLMEngineConfig:
     CPU; the environment variable wins if present). `None` leaves vLLM's default (a fraction
     of device memory, `gpu_memory_utilization`). `dtype="float32"` makes behaviour log-probs
     comparable with a float32 trainer to ~1e-6. `weight_transport` chooses how weights reach
-    the worker: "bytes" (a safetensors blob through the RPC channel) or "file" (a safetensors
-    file in `shm_dir`, better for large models).
+    the worker: "flat" (the tensors' bytes written once to one file in `shm_dir`, which the
+    worker maps and views as tensors without a copy: the fewest copies), "bytes" (a
+    safetensors blob through the RPC channel) or "file" (a safetensors file in `shm_dir`).
     """
 
     model: str
@@ -84,7 +88,7 @@ class VLLMEngineConfig:
     enable_prefix_caching: bool = True
     logprobs_mode: str = "processed_logprobs"
     worker_extension_cls: str = WORKER_EXTENSION
-    weight_transport: Literal["bytes", "file"] = "bytes"
+    weight_transport: Literal["flat", "bytes", "file"] = "flat"
     shm_dir: str = "/dev/shm"
     warmup: bool = True
     # Policy version of the weights the engine starts with (a resumed run: its checkpoint's).
@@ -406,7 +410,17 @@ class VLLMEngine:
 
     async def _send_weights(self, weights: Mapping[str, torch.Tensor]) -> int:
         loop = asyncio.get_running_loop()
-        if self._config.weight_transport == "file":
+        if self._config.weight_transport == "flat":
+            path, layout = await loop.run_in_executor(
+                self._executor, _save_flat_file, weights, self._config.shm_dir
+            )
+            try:
+                counts = await self._control(
+                    self._llm.collective_rpc("rollout_load_weights_flat", args=(path, layout))
+                )
+            finally:
+                await loop.run_in_executor(self._executor, _remove, path)
+        elif self._config.weight_transport == "file":
             path = await loop.run_in_executor(
                 self._executor, _save_weights_file, weights, self._config.shm_dir
             )
@@ -457,6 +471,33 @@ def _save_weights_file(weights: Mapping[str, torch.Tensor], directory: str) -> s
     os.close(handle)
     save_file(_contiguous_unshared(weights), path)
     return path
+
+
+def _save_flat_file(
+    weights: Mapping[str, torch.Tensor], directory: str
+) -> tuple[str, list[tuple[str, str, list[int], int]]]:
+    """Write every tensor's bytes once, back to back, to a new file in `directory`; returns
+    its path and the layout: (name, torch dtype name, shape, byte offset) per tensor."""
+    import torch
+
+    handle, path = tempfile.mkstemp(suffix=".weights", prefix="weights-", dir=directory)
+    layout: list[tuple[str, str, list[int], int]] = []
+    offset = 0
+    try:
+        with os.fdopen(handle, "wb", buffering=0) as file:
+            for name, tensor in weights.items():
+                tensor = tensor.detach().to("cpu").contiguous()
+                offset = -(-offset // FLAT_ALIGNMENT) * FLAT_ALIGNMENT
+                file.seek(offset)
+                data = tensor.reshape(-1).view(torch.uint8).numpy()
+                file.write(memoryview(data))
+                dtype = str(tensor.dtype).removeprefix("torch.")
+                layout.append((name, dtype, list(tensor.shape), offset))
+                offset += data.nbytes
+    except BaseException:
+        _remove(path)
+        raise
+    return path, layout
 
 
 def _remove(path: str) -> None:

