@@ -12,6 +12,11 @@ __all__ = ["StallWatch"]
 
 logger = logging.getLogger(__name__)
 
+# A wait shorter than this counts as already over: an event loop fires a timer that is due
+# within its clock resolution at once, so a budget wait for the last few microseconds would
+# return without the clock moving (on a virtual clock, forever).
+CLOCK_SLACK_S = 0.01
+
 
 @dataclass(slots=True)
 class StallWatch:
@@ -34,13 +39,14 @@ class StallWatch:
         """How long a budget wait may last before it is a stall; None once warned."""
         if self._warned:
             return None
-        return max(0.0, self.after_s - (self.now() - self._changed_at))
+        left = self.after_s - (self.now() - self._changed_at)
+        return 0.0 if left < CLOCK_SLACK_S else left
 
     def warn_if_stalled(self, describe: Callable[[], str]) -> bool:
         """Warn (once) if `after_s` has passed since the last version; `describe()` gives
         the rollouter's state for the message. True when it warned."""
         waited = self.now() - self._changed_at
-        if self._warned or waited < self.after_s:
+        if self._warned or waited + CLOCK_SLACK_S < self.after_s:
             return False
         self._warned = True
         logger.warning(
