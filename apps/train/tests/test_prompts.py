@@ -9,7 +9,7 @@ from itertools import islice
 from pathlib import Path
 
 import pytest
-from ppo_trainer import TrainerState
+from ppo_trainer import TrainerState, write_manifest
 from ppo_trainer.checkpoint_meta import STATE_FILE
 from train_app.config import TrainConfig
 from train_app.driver import RunFailed, resume_point
@@ -73,6 +73,7 @@ def _write_checkpoint(run_dir: Path, state: TrainerState) -> None:
     latest = run_dir / "checkpoints" / "latest"
     latest.mkdir(parents=True)
     (latest / STATE_FILE).write_text(state.to_json())
+    write_manifest(latest)  # last, as the trainer writes it
 
 
 def test_resume_from_a_checkpoint_skips_every_replicas_consumed_prompts(
