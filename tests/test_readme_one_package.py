@@ -89,4 +89,5 @@ def test_rollouter_over_a_users_async_llm(tmp_path: Path) -> None:
         "HF_HUB_OFFLINE": "1",
     }
     out = _run(_snippets()["rollout_engine"], env, 540)
-    assert out.splitlines()[-1] == "4 groups"
+    # vLLM may log its engine core's shutdown to stdout after the snippet's own last line.
+    assert "4 groups" in out.splitlines(), out[-2000:]

@@ -151,8 +151,10 @@ class RolloutActor:
             engine_config = dataclasses.replace(engine_config, image_token_id=task.image_token_id)
         self._engine = await _make_engine(engine_config)
         if weights is not None and version is not None:
+            from train_app.weight_wire import unpack_weights
+
             await self._engine.pause(mode="keep", clear_cache=True)
-            await self._engine.load_weights(weights, version)
+            await self._engine.load_weights(unpack_weights(weights), version)
             await self._engine.resume()
         self._preprocessor = None
         if is_vision_task(plan.task):
