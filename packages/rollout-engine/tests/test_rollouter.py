@@ -112,6 +112,7 @@ async def test_metrics_use_design_names() -> None:
             "rollout/drain_interrupt_ms",
             "rollout/pacing_lookahead",
             "rollout/filtered_groups",
+            "rollout/stale_retried",
             "staleness/mean",
             "staleness/max",
             "tokens/s",

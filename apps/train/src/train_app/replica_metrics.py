@@ -28,6 +28,7 @@ SUMMED = frozenset(
         "rollout/active_tasks",
         "rollout/failed",
         "rollout/filtered_groups",
+        "rollout/stale_retried",
         "tokens/s",
         # What a resumed run continued from its checkpoint's in-flight groups
         # (`train_app.inflight`): counts of the whole run.

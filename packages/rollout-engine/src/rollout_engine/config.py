@@ -102,6 +102,9 @@ class RolloutConfig:
     # Warn (once per stall) when admission has waited this long on the staleness budget with
     # no new weight version: nothing may be consuming (see `generation_only`).
     stall_warning_s: float = 120.0
+    # A group dropped as too stale at delivery gives its prompt back: it is admitted again,
+    # from scratch, before any new prompt, so a finite prompt stream loses none to staleness.
+    retry_stale: bool = False
 
     def __post_init__(self) -> None:
         for name in (

@@ -18,6 +18,8 @@ Metric names are part of the interface (design.md):
   check (`> max_staleness`) runs just before the put; a put that waits across weight pushes
   (a full queue) delivers a staler group, and `staleness/max` then reports more than `k`.
 - `rollout/filtered_groups`: groups dropped by the group filter (dynamic sampling) so far.
+- `rollout/stale_retried`: groups dropped as too stale at delivery whose prompt was admitted
+  again (`RolloutConfig.retry_stale`) so far.
 - `tokens/s`: tokens generated (delivered and dropped groups) / run seconds.
 """
 
@@ -56,6 +58,7 @@ METRIC_NAMES = (
     "rollout/drain_interrupt_ms",
     "rollout/pacing_lookahead",
     "rollout/filtered_groups",
+    "rollout/stale_retried",
     "staleness/mean",
     "staleness/max",
     "tokens/s",

@@ -135,6 +135,14 @@ class Rollouter:
         self._bound = staleness_bound if staleness_bound is not None else config.staleness_bound
         self._clock = clock
         self._prompts = PromptSource(prompts, self._prompt_executor)
+        # A stream that can say where it is (`checkpoint_state()`): snapshots record it.
+        state = getattr(prompts, "checkpoint_state", None)
+        self._prompt_state: Callable[[], dict[str, Any]] | None = (
+            state if callable(state) else None
+        )
+        self._fetch: asyncio.Future[PromptSample | None] | None = None
+        self._returned: deque[PromptSample] = deque()  # too stale, admitted again first
+        self._stale_retried = 0
         self._gate = WeightGate(engine, engine.version)
         self._admission = AdmissionPolicy(
             self._bound.max_staleness, config.groups_per_version, base_version=engine.version
@@ -322,6 +330,7 @@ class Rollouter:
                     "snapshot: engine calls still outstanding after %.1f s; taken anyway",
                     settle_timeout_s,
                 )
+            await self._settle_fetch(settle_timeout_s)
             snapshot = self._build_snapshot()
         logger.info(
             "snapshot of %d in-flight groups (%d tokens) at version %d",
@@ -330,6 +339,33 @@ class Rollouter:
             snapshot.version,
         )
         return snapshot
+
+    async def _settle_fetch(self, timeout_s: float) -> None:
+        """Let a prompt being read from the stream arrive, so the stream's state and the
+        groups are read with no prompt between the two."""
+        fetch = self._fetch
+        if self._prompt_state is not None and fetch is not None and not fetch.done():
+            await asyncio.wait({fetch}, timeout=timeout_s)
+            if not fetch.done():
+                logger.warning("snapshot: a prompt still being read after %.1f s", timeout_s)
+
+    def _unadmitted(self) -> list[GroupSnapshot]:
+        """Prompts taken from the stream and not admitted: the one waiting for admission, one
+        read but not handed to the loop yet, and those given back as too stale."""
+        samples: list[PromptSample] = []
+        if isinstance(self._pending, PromptSample):
+            samples.append(self._pending)
+        fetch = self._fetch
+        if fetch is not None and fetch.done() and not fetch.cancelled():
+            if fetch.exception() is None and (sample := fetch.result()) is not None:
+                if sample is not self._pending:
+                    samples.append(sample)
+        samples.extend(self._returned)
+        version = self._gate.version
+        return [
+            GroupSnapshot(group_id=f"{s.prompt_id}:unadmitted", sample=s, admitted_version=version)
+            for s in samples
+        ]
 
     def _build_snapshot(self) -> RolloutSnapshot:
         """The state now; no await, so it is one consistent moment."""
@@ -352,11 +388,16 @@ class Rollouter:
         # Restored groups not admitted yet are still in flight from the checkpoint's view.
         waiting = [self._pending] if isinstance(self._pending, GroupSnapshot) else []
         groups.extend([*waiting, *self._restore_queue.waiting()])
+        prompt_state = None
+        if self._prompt_state is not None:
+            groups.extend(self._unadmitted())
+            prompt_state = self._prompt_state()
         return RolloutSnapshot(
             version=self._gate.version,
             group_size=self._config.group_size,
             taken_at=time.time(),
             groups=groups,
+            prompt_state=prompt_state,
         )
 
     async def update_weights(self, weights: Any, version: int) -> None:
@@ -449,6 +490,7 @@ class Rollouter:
             "rollout/drain_interrupt_ms": stats.drain_interrupt_ms,
             "rollout/pacing_lookahead": float(stats.lookahead),
             "rollout/filtered_groups": float(stats.filtered),
+            "rollout/stale_retried": float(self._stale_retried),
             "staleness/mean": stats.staleness_mean,
             "staleness/max": float(stats.staleness_max),
             "tokens/s": stats.generated_tokens / elapsed if elapsed > 0 else 0.0,
@@ -463,8 +505,11 @@ class Rollouter:
                 return
             if self._pending is None:
                 self._pending = self._restore_queue.pop()
+            if self._pending is None and self._returned:
+                self._pending = self._returned.popleft()
             if self._pending is None:
                 self._pending = await self._fetch_prompt()
+                self._fetch = None  # its prompt is `_pending` now (snapshots look there)
                 if self._pending is None:
                     return  # prompts exhausted (or stop requested)
                 continue
@@ -552,7 +597,7 @@ class Rollouter:
     async def _fetch_prompt(self) -> PromptSample | None:
         """The next prompt; finished tasks keep being reaped while the source is slow."""
         self._set_state("fetching")
-        fetch = asyncio.ensure_future(self._prompts.next())
+        fetch = self._fetch = asyncio.ensure_future(self._prompts.next())
         try:
             while not fetch.done() and not self._stop_requested.is_set():
                 await self._wait_first(futures=(fetch,))
@@ -643,11 +688,16 @@ class Rollouter:
         outcome = self._outcome(job, trajectories)
         if not outcome.delivered:
             logger.info(
-                "dropping group %s: staleness %d > max_staleness %d",
+                "dropping group %s: staleness %d > max_staleness %d%s",
                 job.group_id,
                 max(outcome.staleness),
                 self._bound.max_staleness,
+                "; its prompt is admitted again" if self._config.retry_stale else "",
             )
+            if self._config.retry_stale:
+                self._returned.append(job.sample)
+                self._stale_retried += 1
+                self._gate.admitting.set()  # the loop may be waiting with nothing pending
             return outcome
         if not self._filter.keep(trajectories):  # its slot is freed: a new prompt replaces it
             logger.debug("group %s filtered out (%s)", job.group_id, type(self._filter).__name__)

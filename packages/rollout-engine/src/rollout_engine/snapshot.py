@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -114,6 +115,11 @@ class RolloutSnapshot(msgspec.Struct, kw_only=True):
     group_size: int
     taken_at: float = 0.0  # time.time()
     groups: list[GroupSnapshot] = []
+    # The prompt stream's own `checkpoint_state()`, read at the same moment as `groups` (None:
+    # the stream has none). With it, `groups` also holds the prompts taken from the stream
+    # and not admitted yet (no responses: they start from the prompt), so every prompt the
+    # stream handed out before that state is in `groups` or was delivered, failed or dropped.
+    prompt_state: dict[str, Any] | None = None
 
     def prompt_ids(self) -> frozenset[str]:
         """Prompt ids of its groups: skip them in a resumed run's prompt stream."""

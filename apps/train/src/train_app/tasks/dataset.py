@@ -11,6 +11,8 @@ The stream: epoch e visits every row once, in an order shuffled by `(seed, e)`; 
 `shard` of `shards` takes every `shards`-th position of that order, so replicas never share a
 prompt. Prompt ids are `e{epoch}-r{row}`: unique across epochs and replicas. With `epochs`
 the stream ends after that many epochs; without, it repeats as long as the run needs.
+`stream_from(seed, position)` starts the stream anywhere (a resume): it shuffles the epoch
+of `position` and builds no prompt before it.
 """
 
 from __future__ import annotations
@@ -149,6 +151,8 @@ class DatasetTask:
     vision: ClassVar[bool] = False
     _rows: Any = field(init=False, repr=False)
     _scorer: RewardSet = field(init=False, repr=False)
+    _where: dict[int, int] = field(init=False, repr=False, default_factory=dict)
+    _where_epoch: int | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         self._rows = load_rows(self.path)
@@ -168,20 +172,50 @@ class DatasetTask:
         random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
+    def epoch_length(self, seed: int = 0) -> int:
+        """Prompts per epoch of this replica's shard."""
+        return len(range(self.shard, len(self._rows), self.shards))
+
     def prompts(self, seed: int) -> Iterator[PromptSample]:
         """The stream of this replica's shard (`seed`: unused; the order is `self.seed`'s)."""
-        return self.prompts_skipping(seed, frozenset())
+        return (sample for _, sample in self.stream_from(seed, 0))
 
     def prompts_skipping(self, seed: int, skip: AbstractSet[str]) -> Iterator[PromptSample]:
-        """`prompts(seed)` without the ids in `skip`, which are never read or tokenized (what
-        a resume passes over costs a set lookup each)."""
-        epoch = 0
+        """`prompts(seed)` without the ids in `skip`, which are never read or tokenized."""
+        return (sample for _, sample in self.stream_from(seed, 0, skip))
+
+    def stream_from(
+        self, seed: int, position: int, skip: AbstractSet[str] = frozenset()
+    ) -> Iterator[tuple[int, PromptSample]]:
+        """`(position, prompt)` of this shard's stream from `position` on (position counts
+        across epochs); the rows before it and those in `skip` are never read or
+        tokenized (what a resume passes over costs nothing, or a set lookup each)."""
+        length = self.epoch_length()
+        if length == 0:  # more replicas than rows: this shard has none
+            return
+        epoch, offset = divmod(position, length)
         while self.epochs is None or epoch < self.epochs:
             order = self.epoch_order(epoch)
-            for position in range(self.shard, len(order), self.shards):
-                if f"e{epoch}-r{order[position]}" not in skip:
-                    yield self._sample(order[position], epoch)
-            epoch += 1
+            for cursor in range(offset, length):
+                row = order[self.shard + cursor * self.shards]
+                if f"e{epoch}-r{row}" not in skip:
+                    yield epoch * length + cursor, self._sample(row, epoch)
+            epoch, offset = epoch + 1, 0
+
+    def position_of(self, seed: int, prompt_id: str) -> int | None:
+        """The stream position of `prompt_id` (None: another shard's, or not a row id)."""
+        epoch_text, _, row_text = prompt_id.partition("-r")
+        if not (epoch_text[:1] == "e" and epoch_text[1:].isdigit() and row_text.isdigit()):
+            return None
+        epoch, row = int(epoch_text[1:]), int(row_text)
+        if self._where_epoch != epoch:
+            order = self.epoch_order(epoch)
+            self._where = {r: i for i, r in enumerate(order)}
+            self._where_epoch = epoch
+        index = self._where.get(row)
+        if index is None or index % self.shards != self.shard:
+            return None
+        return epoch * self.epoch_length() + index // self.shards
 
     def _row(self, index: int) -> dict[str, Any]:
         return dict(self._rows[index])
