@@ -43,14 +43,18 @@ def test_resume_skips_exactly_the_consumed_prompts(task) -> None:
 
 
 def test_state_round_trips_into_a_fresh_source(task) -> None:
-    source = PromptSource(task, seed=5, consumed=["s5-1", "s5-0"])
+    source = PromptSource(task, seed=5, consumed=["s5-1", "s5-0", "s5-9"])
+    assert _ids(source, 2) == ["s5-2", "s5-3"]
     state = source.state_dict()
-    assert state == {"seed": 5, "consumed_prompt_ids": ["s5-0", "s5-1"]}
+    assert state == {"seed": 5, "position": 4, "epoch": 0, "cursor": 4, "skip": ["s5-9"]}
     fresh = PromptSource(task, seed=0)
     fresh.load_state_dict(state)
-    assert _ids(fresh, 3) == ["s5-2", "s5-3", "s5-4"]
+    assert _ids(fresh, 6) == ["s5-4", "s5-5", "s5-6", "s5-7", "s5-8", "s5-10"]
+    older = PromptSource(task, seed=0)  # the state of checkpoints before positions
+    older.load_state_dict({"seed": 5, "consumed_prompt_ids": ["s5-0", "s5-1"]})
+    assert _ids(older, 3) == ["s5-2", "s5-3", "s5-4"]
     with pytest.raises(ValueError, match="unknown PromptSource state keys"):
-        fresh.load_state_dict({"seed": 1, "position": 4})
+        fresh.load_state_dict({"seed": 1, "offset": 4})
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 3])
@@ -64,9 +68,10 @@ def test_replicas_never_share_a_prompt(task, replicas: int) -> None:
 def test_state_survives_json(task) -> None:
     """The state is plain data: what a checkpoint file can hold."""
     source = PromptSource(task, seed=2, consumed=["s2-0", "s2-2"])
+    assert _ids(source, 1) == ["s2-1"]
     fresh = PromptSource(task, seed=9)
     fresh.load_state_dict(json.loads(json.dumps(source.state_dict())))
-    assert _ids(fresh, 3) == _ids(source, 3) == ["s2-1", "s2-3", "s2-4"]
+    assert _ids(fresh, 3) == _ids(source, 3) == ["s2-3", "s2-4", "s2-5"]
 
 
 def _write_checkpoint(run_dir: Path, state: TrainerState) -> None:

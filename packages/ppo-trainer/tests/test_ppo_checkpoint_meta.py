@@ -64,3 +64,37 @@ def test_empty_and_old_format_files_read_back(tmp_path: Path) -> None:
     old_read = read_checkpoint_meta(tmp_path)
     assert old_read.consumed_response_ids == ("g:0", "g:1")
     assert old_read.consumed_prompt_ids == ()
+
+
+def _group(prompt: str, index: int, size: int = 4) -> list:
+    """The three ids `ConsumedIds.add_groups` reads of each response (nothing else)."""
+    from types import SimpleNamespace
+
+    group_id = f"{prompt}:{index}"
+    return [
+        SimpleNamespace(response_id=f"{group_id}:{k}", group_id=group_id, prompt_id=prompt)
+        for k in range(size)
+    ]
+
+
+def test_a_kept_window_stays_the_same_size_however_many_groups_are_consumed(
+    tmp_path: Path,
+) -> None:
+    """With `limit`, the ids (and the checkpoint) do not grow with the run: 100 or 20,000
+    groups consumed give the same number of ids, the most recent ones, still compact."""
+    from ppo_trainer import ConsumedIds
+
+    sizes = []
+    for count in (100, 20_000):
+        ids = ConsumedIds(limit=64)
+        for i in range(count):
+            ids.add_groups([_group(f"s0-{i}", i)])
+        state = ids.state(step=1, version=1)
+        assert len(state.consumed_prompt_ids) == len(state.consumed_group_ids) == 64
+        assert len(state.consumed_response_ids) == 64 * 4
+        assert state.consumed_prompt_ids[-1] == f"s0-{count - 1}"
+        read, raw = _roundtrip(tmp_path, state)
+        assert read == state and raw["consumed_ids_kept"] == 64
+        assert raw["consumed_group_sizes"] == [[4, 64]]
+        sizes.append(len((tmp_path / STATE_FILE).read_text()))
+    assert abs(sizes[1] - sizes[0]) <= 64 * 9  # only the ids' digits differ (3 per id)

@@ -179,7 +179,15 @@ class RolloutActor:
             self._journal = FailureJournal(plan.failures_path, replica=plan.replica)
         self._rollouter = Rollouter(
             self._engine,
-            iter(PromptSource(task, plan.prompt_seed, consumed=plan.consumed_prompt_ids)),
+            # The source itself (not an iterator): the rollouter's snapshots record its
+            # position (`checkpoint_state`); it seeks there in the prompt thread.
+            PromptSource(
+                task,
+                plan.prompt_seed,
+                consumed=plan.consumed_prompt_ids,
+                position=plan.prompt_position,
+                redo=plan.redo_prompt_ids,
+            ),
             QueueTrajectorySink(self._queue),
             task.reward,
             plan.rollout,
@@ -379,6 +387,9 @@ class TrainerActor:
         self._stop_requested = False
         self._setup_lock = asyncio.Lock()
         self._source: Any = None  # train()'s QueueBatchSource
+        # Each replica's snapshot at the last checkpoint (its in-flight groups and stream
+        # position): what a replacement of a dead rollouter starts from (`rollout_handoff`).
+        self._positioned: dict[int, Any] = {}
         self._dp: Any = None  # ppo_trainer.DataParallel when world_size > 1
 
     def log(self, metrics: dict[str, Any], step: int) -> None:  # MetricsSink
@@ -480,6 +491,7 @@ class TrainerActor:
             on_checkpoint=self._save_inflight,
             checkpoint_labels=plan.checkpoint_labels,
             staleness_bound=plan.staleness,
+            consumed_ids_kept=plan.consumed_ids_kept,
         )
         if self._stop_requested:  # stop() came while the model was loading
             self._trainer.stop()
@@ -505,7 +517,10 @@ class TrainerActor:
         source = None
         if plan.rank == 0:
             source = QueueBatchSource(
-                self._queue, plan.staleness.max_staleness, taken=self._trainer.consumed_prompt_ids
+                self._queue,
+                plan.staleness.max_staleness,
+                taken=self._trainer.consumed_prompt_ids,
+                kept=plan.consumed_ids_kept,
             )
         self._source = source
         self._train_started = time.monotonic()
@@ -542,7 +557,8 @@ class TrainerActor:
 
         # The sink knows each replica's current actor (a restarted one's replacement).
         actors = self._sink.actors if self._sink is not None else self._rollout_actors
-        await snapshot_replicas(actors, checkpoint)
+        saved = await snapshot_replicas(actors, checkpoint)
+        self._positioned.update(saved.positioned)
         if self._queue is not None:
             # This trainer is the queue's only reader and is inside its checkpoint: nothing
             # is taken from the queue until the copy is made.
@@ -582,18 +598,21 @@ class TrainerActor:
     async def rollout_handoff(self) -> dict[str, Any]:
         """What a replacement rollout replica starts from (the driver's restart):
         `weights` (`[ref]` of the last pushed weights, or None before the first push, when
-        the model's own files are current), their `version`, and `taken`: every prompt id
-        handed to training so far (consumed, in the step under way, or before a resume),
-        which its prompt stream skips."""
+        the model's own files are current), their `version`, `taken`: the prompt ids handed
+        to training most recently (consumed, in the step under way, or before a resume: the
+        last `consumed_ids_kept`), which its prompt stream skips, and `snapshots`: each
+        replica's in-flight snapshot at the last checkpoint with its stream position (by
+        replica), where a replacement starts."""
         await self.setup()
         last = self._sink.last
         taken = set(self._trainer.consumed_prompt_ids)
         if self._source is not None:
-            taken |= self._source.taken
+            taken.update(self._source.taken)
         return {
             "weights": None if last is None else [last[0]],
             "version": None if last is None else last[1],
             "taken": sorted(taken),
+            "snapshots": dict(self._positioned),
         }
 
     async def attach_rollout(self, index: int, actor: Any, version: int | None) -> None:

@@ -78,7 +78,7 @@ import re
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +139,9 @@ class SavedInflight:
     missing: tuple[int, ...]
     """Replicas that gave no snapshot (dead, not started, or too slow): their prompts are
     generated afresh at a resume."""
+    positioned: dict[int, RolloutSnapshot] = field(default_factory=dict)
+    """Each answering replica's snapshot that records its prompt stream's position
+    (`RolloutSnapshot.prompt_state`): where a replacement of that replica starts."""
 
 
 async def snapshot_replicas(
@@ -159,6 +162,7 @@ async def snapshot_replicas(
     live = [(i, a) for i, a in enumerate(actors) if a is not None]
     answers = await asyncio.gather(*(one(a) for _, a in live), return_exceptions=True)
     files: list[Path] = []
+    states: dict[int, RolloutSnapshot] = {}
     missing = [i for i, a in enumerate(actors) if a is None]
     groups = tokens = 0
     for (replica, _), answer in zip(live, answers, strict=True):
@@ -170,6 +174,8 @@ async def snapshot_replicas(
             continue
         path = inflight_path(checkpoint, replica)
         files.append(await asyncio.to_thread(save_snapshot, answer, path))
+        if answer.prompt_state is not None:
+            states[replica] = answer
         groups += len(answer.groups)
         tokens += answer.generated_tokens
     logger.info(
@@ -179,7 +185,7 @@ async def snapshot_replicas(
         tokens,
         len(files),
     )
-    return SavedInflight(tuple(files), groups, tokens, tuple(sorted(missing)))
+    return SavedInflight(tuple(files), groups, tokens, tuple(sorted(missing)), states)
 
 
 def load_inflight(
@@ -193,7 +199,9 @@ def load_inflight(
     a prompt's second group (there is none unless a checkpoint was assembled by hand).
 
     A file of another `group_size` (the resumed run changed `--group-size`) is skipped with
-    a warning: its prompts are generated afresh. Blocking file I/O."""
+    a warning: its prompts are generated afresh (with a stream position, the file is kept
+    with its groups emptied of responses, so they restart from the prompt). Blocking file
+    I/O."""
     root = Path(checkpoint)
     paths = sorted(
         (int(m.group(1)), p)
@@ -212,7 +220,14 @@ def load_inflight(
                 group_size,
                 len(snapshot.groups),
             )
-            continue
+            if snapshot.prompt_state is None:
+                continue
+            # Its stream continues after these prompts: they restart from the prompt here.
+            snapshot = msgspec.structs.replace(
+                snapshot,
+                group_size=group_size,
+                groups=[msgspec.structs.replace(g, responses=[]) for g in snapshot.groups],
+            )
         kept: list[GroupSnapshot] = []
         for group in snapshot.groups:
             prompt_id = group.sample.prompt_id
@@ -334,6 +349,8 @@ class QueuedGroups:
     are generated again."""
     dropped_tokens: int = 0
     """Generated tokens of those groups."""
+    dropped_prompt_ids: tuple[str, ...] = ()
+    """The prompts of those groups: generated again (`PromptSource(redo=...)`)."""
     saved: bool = False
     """Whether the checkpoint had a queue file at all."""
 
@@ -414,6 +431,7 @@ def load_queued(
     kept: list[QueueItem] = []
     kept_prompts: set[str] = set()
     dropped = dropped_tokens = 0
+    dropped_ids: list[str] = []
     for item in snapshot.items:
         group = _decode_group(item)
         prompt_id = (group[0].prompt_id if group else "") or item.item_id
@@ -438,6 +456,7 @@ def load_queued(
             )
             dropped += 1
             dropped_tokens += _generated_tokens(group)
+            dropped_ids.append(prompt_id)
             continue
         skip.add(prompt_id)
         kept_prompts.add(prompt_id)
@@ -448,6 +467,7 @@ def load_queued(
         prompt_ids=frozenset(kept_prompts),
         dropped_stale=dropped,
         dropped_tokens=dropped_tokens,
+        dropped_prompt_ids=tuple(dropped_ids),
         saved=True,
     )
 

@@ -46,12 +46,14 @@ __all__ = [
     "DP_STRATEGY",
     "DP_TIMEOUT_S",
     "MAX_MODEL_LEN_CAP",
+    "MIN_CONSUMED_IDS_KEPT",
     "ReplicaPlan",
     "ResumePoint",
     "RunPlan",
     "StalenessBound",
     "TrainerPlan",
     "actor_options",
+    "consumed_ids_kept",
     "max_model_len",
     "plan",
     "queue_maxsize",
@@ -85,6 +87,10 @@ TRAINER_CORE = 1
 # Replica i's prompt stream is seeded `seed * PROMPT_SEED_STRIDE + i`: distinct per replica
 # and per run seed for up to this many replicas.
 PROMPT_SEED_STRIDE = 1000
+# The trainer keeps the ids of this many recent groups (`PPOTrainer(consumed_ids_kept=)`, and
+# its queue reader's duplicate guard): at least this many, more for large batches (see
+# `consumed_ids_kept`). A constant, so memory and checkpoints do not grow with the run.
+MIN_CONSUMED_IDS_KEPT = 1024
 # Ray `max_concurrency` of a rollout actor: its rollout loop, weight pushes, metric polls and
 # stop all wait on it at once; every call is async, so this only caps waiting calls.
 ROLLOUT_ACTOR_MAX_CONCURRENCY = 64
@@ -206,6 +212,11 @@ class ResumePoint:
     consumed_prompt_ids: frozenset[str] = frozenset()
     inflight: tuple[RolloutSnapshot, ...] = ()
     queued: QueuedGroups = field(default_factory=QueuedGroups)
+    prompt_states: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
+    """Each saved replica's prompt-stream state (`train_app.prompts`), by its prompt seed:
+    where that stream continues. Empty for a checkpoint written before streams had a
+    position: then every stream restarts and skips `consumed_prompt_ids`, every id the
+    checkpoint trained on (with positions it holds only the most recent ones)."""
 
 
 @dataclass(frozen=True)
@@ -239,6 +250,11 @@ class ReplicaPlan:
     restore: RolloutSnapshot | None = None
     """In-flight groups of the resumed checkpoint this replica continues before any new
     prompt (`train_app.inflight`); None: nothing to continue."""
+    prompt_position: int = 0
+    """Where this replica's prompt stream starts (a resume: the checkpoint's position)."""
+    redo_prompt_ids: tuple[str, ...] = ()
+    """Prompts before `prompt_position` to generate again first (`PromptSource(redo=)`):
+    the saved state's, and a resume's queued groups too stale to put back."""
     resources: Mapping[str, float] = field(default_factory=dict)
     """Ray resources of this actor beyond the default one CPU (`--rollout-resources`; see
     `actor_options`)."""
@@ -279,6 +295,8 @@ class TrainerPlan:
     """The model's pad id (`train_app.models.ModelFacts.pad_token_id`); None: the tokenizer's."""
     checkpoint_labels: Mapping[str, str] = field(default_factory=dict)
     """Written into every checkpoint's manifest: the model it is for (a resume checks them)."""
+    consumed_ids_kept: int = MIN_CONSUMED_IDS_KEPT
+    """Recent consumed ids the trainer keeps (a duplicate guard; `consumed_ids_kept`)."""
 
     @property
     def log_name(self) -> str:
@@ -411,6 +429,7 @@ def plan(
         fallback_pad_token_id=FALLBACK_PAD_TOKEN_ID,
         pad_token_id=pad_token_id,
         checkpoint_labels=dict(checkpoint_labels or {}),
+        consumed_ids_kept=consumed_ids_kept(config),
     )
     return RunPlan(
         queue_maxsize=queue_maxsize(config),
@@ -455,7 +474,11 @@ def _replica_plans(
     in-flight and queued groups."""
     shares = split_batch(config.batch_size, config.rollout_replicas)
     restores = redistribute(resume.inflight, shares)
-    skip = resume.consumed_prompt_ids | restored_prompt_ids(restores) | resume.queued.prompt_ids
+    carried = restored_prompt_ids(restores) | resume.queued.prompt_ids
+    starts = [
+        _stream_start(resume, config.seed * PROMPT_SEED_STRIDE + i, carried)
+        for i in range(len(shares))
+    ]
     requeued = deal_count(len(resume.queued.items), shares)
     return tuple(
         ReplicaPlan(
@@ -465,7 +488,9 @@ def _replica_plans(
             task=task_name(config),
             task_options=task_options(config, run_dir, i, len(shares)),
             prompt_seed=config.seed * PROMPT_SEED_STRIDE + i,
-            consumed_prompt_ids=skip,
+            consumed_prompt_ids=starts[i][1],
+            prompt_position=starts[i][0],
+            redo_prompt_ids=starts[i][2],
             rollout=_rollout_config(config, bound, share, model.eos_token_ids),
             engine=_engine_config(config, model, replica=i, version=resume.version),
             cpu=ENGINE_CORE if pin else None,
@@ -478,6 +503,32 @@ def _replica_plans(
         )
         for i, share in enumerate(shares)
     )
+
+
+def _stream_start(
+    resume: ResumePoint, seed: int, carried: frozenset[str]
+) -> tuple[int, frozenset[str], tuple[str, ...]]:
+    """Where the stream of `seed` starts, what it skips and what it generates again: the
+    saved position, the ids the saved state still skips and those the resume continues
+    (restored or put back: `carried`), and the saved state's prompts to redo with the queued
+    groups too stale to put back (the source keeps only its own). Without a saved position:
+    the start, skipping every consumed id the checkpoint holds (those too-stale prompts are
+    not skipped, so the walk generates them again)."""
+    state = resume.prompt_states.get(seed)
+    if state is None:
+        return 0, resume.consumed_prompt_ids | carried, ()
+    redo = (*state.get("redo", ()), *resume.queued.dropped_prompt_ids)
+    return int(state["position"]), frozenset(state.get("skip", ())) | carried, redo
+
+
+def consumed_ids_kept(config: TrainConfig) -> int:
+    """How many recent consumed ids the trainer keeps: enough to cover every group that can
+    be in flight or queued at once (k + 2 batches) and two checkpoint intervals (what a
+    replaced rollouter may deliver again), four times over; never fewer than
+    `MIN_CONSUMED_IDS_KEPT`. It depends on the configuration only, not on the run's length."""
+    in_flight = (config.effective_staleness + 2) * config.batch_size
+    between_checkpoints = 2 * config.checkpoint_every * config.batch_size
+    return max(MIN_CONSUMED_IDS_KEPT, 4 * max(in_flight, between_checkpoints))
 
 
 def _rollout_config(
@@ -511,6 +562,8 @@ def _rollout_config(
         filter_groups=config.filter_groups,
         generation_only=GENERATION_ONLY,
         stall_warning_s=STALL_WARNING_S,
+        # A group too stale to deliver gives its prompt back (never lost within an epoch).
+        retry_stale=True,
     )
 
 

@@ -15,6 +15,11 @@ Seeking: a task with `stream_from(seed, position, skip)` (the built-in `repeat` 
 dataset task) starts there at once and builds no prompt it passes over; any other task's
 stream is walked from its start in the rollouter's prompt thread (never on an event loop).
 
+`redo`: prompt ids before the position to generate again first, because their group was
+dropped as too stale after it left the rollouter (put back on the queue at a resume, too old
+to train on); `give_back` adds more while the run goes on. Each is rebuilt from its position
+(`position_of`), so this needs a seekable task; ids of other streams are ignored.
+
 `skip`: prompt ids not to generate again even though they lie at or after the position. A
 resume skips the groups it puts back on the queue (a group admitted after its replica's
 snapshot may be in the queue's copy). A checkpoint written before positions existed has no
@@ -26,7 +31,9 @@ yet passed (only those of this stream when the task can tell, `position_of`).
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
+from collections import deque
 from collections.abc import Iterable, Iterator
 from itertools import islice
 from typing import Any, Protocol
@@ -34,6 +41,8 @@ from typing import Any, Protocol
 from rollout_engine import PromptSample
 
 __all__ = ["PromptSource", "PromptStream", "StreamPosition"]
+
+logger = logging.getLogger(__name__)
 
 
 class PromptStream(Protocol):
@@ -74,12 +83,15 @@ class PromptSource:
         consumed: Iterable[str] = (),
         *,
         position: int = 0,
+        redo: Iterable[str] = (),
     ) -> None:
         self._task = task
         self._seed = seed
         self._skip = frozenset(consumed)
         self._position = position
         self._lock = threading.Lock()
+        self._redo: deque[str] = deque()
+        self.give_back(redo)
         # Skipped ids not passed yet, by position (filled in the prompt thread).
         self._ahead: list[tuple[int, str]] | None = None
         self._unplaced: list[str] = []  # skipped ids whose position the task cannot tell
@@ -87,6 +99,18 @@ class PromptSource:
     @property
     def position(self) -> int:
         return self._position
+
+    def give_back(self, prompt_ids: Iterable[str]) -> int:
+        """Generate these prompts of this stream again, before any new one (ids of other
+        streams, or of a task that cannot place them, are left out); returns how many were
+        taken. Safe from any thread."""
+        locate = getattr(self._task, "position_of", None)
+        if locate is None:
+            return 0
+        mine = [i for i in prompt_ids if locate(self._seed, i) is not None]
+        with self._lock:
+            self._redo.extend(mine)
+        return len(mine)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """`{"seed", "position", "epoch", "cursor"}`, plus `"skip"` while skipped ids lie
@@ -103,8 +127,11 @@ class PromptSource:
                 skip = sorted(self._skip)
             else:
                 skip = [*self._unplaced, *(i for _, i in self._ahead)]
+            redo = list(self._redo)
         if skip:
             state["skip"] = skip
+        if redo:
+            state["redo"] = redo
         return state
 
     def state_dict(self) -> dict[str, Any]:
@@ -112,7 +139,7 @@ class PromptSource:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a `checkpoint_state()` (or the older `{"seed", "consumed_prompt_ids"}`)."""
-        unknown = set(state) - {"seed", "position", "epoch", "cursor", "skip"}
+        unknown = set(state) - {"seed", "position", "epoch", "cursor", "skip", "redo"}
         unknown -= {"consumed_prompt_ids"}
         if unknown:
             raise ValueError(f"unknown PromptSource state keys {sorted(unknown)}")
@@ -122,6 +149,8 @@ class PromptSource:
             state.get("consumed_prompt_ids", ())
         )
         self._ahead = None
+        self._redo.clear()
+        self.give_back(state.get("redo", ()))
 
     def __iter__(self) -> Iterator[PromptSample]:
         return self._generate()
@@ -129,11 +158,36 @@ class PromptSource:
     def _generate(self) -> Iterator[PromptSample]:
         # The body runs in the rollouter's prompt thread: the seek happens there.
         self._place_skipped()
-        for position, sample in self._stream(self._position):
+        stream = self._stream(self._position)
+        while True:
+            redo = self._take_redo()
+            if redo is not None:
+                yield redo
+                continue
+            step = next(stream, None)
+            if step is None:
+                return
+            position, sample = step
             with self._lock:
                 self._position = position + 1
                 self._pass(position + 1)
             yield sample
+
+    def _take_redo(self) -> PromptSample | None:
+        """The next prompt to generate again, rebuilt from its position (it leaves the
+        state once handed out: the rollouter holds it then)."""
+        while True:
+            with self._lock:
+                if not self._redo:
+                    return None
+                prompt_id = self._redo[0]
+            where = self._task.position_of(self._seed, prompt_id)  # type: ignore[attr-defined]
+            found = next(iter(self._task.stream_from(self._seed, where)), None)  # type: ignore[attr-defined]
+            with self._lock:
+                self._redo.popleft()
+            if found is not None and found[1].prompt_id == prompt_id:
+                return found[1]
+            logger.warning("prompt %s cannot be rebuilt from its position; skipped", prompt_id)
 
     def _stream(self, start: int) -> Iterator[tuple[int, PromptSample]]:
         seek = getattr(self._task, "stream_from", None)

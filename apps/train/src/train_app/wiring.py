@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -28,7 +28,7 @@ from rollout_engine import Trajectory as RolloutTrajectory
 if TYPE_CHECKING:  # the rollout actors import this module and need no torch
     import torch
 
-__all__ = ["QueueBatchSource", "QueueTrajectorySink", "RolloutWeightSink"]
+__all__ = ["QueueBatchSource", "QueueTrajectorySink", "RecentIds", "RolloutWeightSink"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,10 @@ class QueueTrajectorySink:
 class QueueBatchSource:
     """`ppo_trainer.BatchSource` over the queue: full batches, stale items dropped there.
 
-    It hands each prompt id over at most once: `taken` starts with the prompts trained on
-    before a `--resume` and grows with every group handed out. A group whose prompt was
+    It hands each prompt id over at most once among the last `kept` it handed out (None:
+    all): `taken` starts with the prompts trained on before a `--resume` (the most recent the
+    checkpoint kept) and takes every group handed out, forgetting the oldest past `kept`, so it
+    does not grow with the run. A group whose prompt was
     already taken (a replacement replica regenerated a prompt its predecessor had delivered:
     see `driver.supervisor`) is dropped and counted in `duplicates`. After a `--resume` the queue
     is new and each replica's `PromptSource` already left out the prompts trained on before
@@ -68,11 +70,15 @@ class QueueBatchSource:
     """
 
     def __init__(
-        self, queue: MessageQueueClient, max_staleness: int, taken: Iterable[str] = ()
+        self,
+        queue: MessageQueueClient,
+        max_staleness: int,
+        taken: Iterable[str] = (),
+        kept: int | None = None,
     ) -> None:
         self._queue = queue
         self._max_staleness = max_staleness
-        self.taken: set[str] = set(taken)
+        self.taken = RecentIds(kept, taken)
         self.duplicates = 0
 
     async def next_batch(self, n: int, current_version: int) -> list[list[TrainerTrajectory]]:
@@ -101,6 +107,30 @@ class QueueBatchSource:
                     self.taken.add(prompt_id)
                 batch.append(group)
         return batch
+
+
+class RecentIds:
+    """The last `limit` ids added (None: every id), as a set: `in`, iteration, `len`."""
+
+    def __init__(self, limit: int | None = None, ids: Iterable[str] = ()) -> None:
+        self._limit = limit
+        self._ids: dict[str, None] = {}
+        for prompt_id in ids:
+            self.add(prompt_id)
+
+    def add(self, prompt_id: str) -> None:
+        self._ids[prompt_id] = None
+        if self._limit is not None and len(self._ids) > self._limit:
+            del self._ids[next(iter(self._ids))]
+
+    def __contains__(self, prompt_id: object) -> bool:
+        return prompt_id in self._ids
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 class RolloutWeightSink:

@@ -37,9 +37,11 @@ class TrainerState:
     prompt id (empty in checkpoints written before trajectories carried one); a source of
     whole groups or single responses can skip by the others.
 
-    Size: they grow with the run (a resume must know every prompt already trained on). The
-    file stays compact: when the response ids are exactly `f"{group_id}:{i}"` for `i < n`
-    group by group (the rollouter's naming), only the group ids and run-length-encoded group
+    Size: without a limit they grow with the run. `consumed_ids_kept` (None: every id) says
+    they are only the most recent ones, a window kept to catch a group delivered twice; a
+    prompt stream that checkpoints its own position needs no more. The file stays compact:
+    when the response ids are exactly `f"{group_id}:{i}"` for `i < n` group by group (the
+    rollouter's naming), only the group ids and run-length-encoded group
     sizes are written (`consumed_group_sizes: [[n, repeat], ...]`) instead of every response
     id; anything else falls back to the full `consumed_response_ids` list.
     `read_checkpoint_meta` reads both, and the key `consumed_sample_ids` of older files.
@@ -50,6 +52,7 @@ class TrainerState:
     consumed_response_ids: tuple[str, ...] = ()
     consumed_group_ids: tuple[str, ...] = ()
     consumed_prompt_ids: tuple[str, ...] = ()
+    consumed_ids_kept: int | None = None
 
     def to_json(self, config: dict[str, Any] | None = None) -> str:
         sizes = _compact_response_ids(self.consumed_response_ids, self.consumed_group_ids)
@@ -66,6 +69,11 @@ class TrainerState:
                 **responses,
                 "consumed_group_ids": list(self.consumed_group_ids),
                 "consumed_prompt_ids": list(self.consumed_prompt_ids),
+                **(
+                    {"consumed_ids_kept": self.consumed_ids_kept}
+                    if self.consumed_ids_kept is not None
+                    else {}
+                ),
                 # Checkpoints written from now on have a manifest: one without it is damaged.
                 "has_manifest": True,
                 "config": config or {},
@@ -77,8 +85,9 @@ class ConsumedIds:
     """Distinct response, group and prompt ids consumed so far, each in first-seen order.
 
     Insertion-ordered sets (dict keys): a response seen twice (re-delivered) is stored once.
-    They grow with the run (a resume must skip every prompt trained on);
-    `TrainerState.to_json` writes them compactly.
+    Without `limit` they grow with the run; with it, only the last `limit` group and prompt
+    ids are kept (and the response ids of those groups), so memory and the checkpoint stay
+    the same size however long the run. `TrainerState.to_json` writes them compactly.
     """
 
     def __init__(
@@ -86,23 +95,53 @@ class ConsumedIds:
         response_ids: Sequence[str] = (),
         group_ids: Sequence[str] = (),
         prompt_ids: Sequence[str] = (),
+        *,
+        limit: int | None = None,
     ) -> None:
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be >= 1 or None, got {limit}")
+        self.limit = limit
         self.response_ids: dict[str, None] = dict.fromkeys(response_ids)
         self.group_ids: dict[str, None] = dict.fromkeys(group_ids)
         self.prompt_ids: dict[str, None] = dict.fromkeys(prompt_ids)
+        self._largest_group = 1
+        self._trim()
 
     @classmethod
-    def of_state(cls, state: TrainerState) -> ConsumedIds:
-        """The ids a checkpoint's `TrainerState` recorded."""
-        return cls(state.consumed_response_ids, state.consumed_group_ids, state.consumed_prompt_ids)
+    def of_state(cls, state: TrainerState, limit: int | None = None) -> ConsumedIds:
+        """The ids a checkpoint's `TrainerState` recorded (the last `limit` of them)."""
+        return cls(
+            state.consumed_response_ids,
+            state.consumed_group_ids,
+            state.consumed_prompt_ids,
+            limit=limit,
+        )
 
     def add_groups(self, groups: Sequence[list[Trajectory]]) -> None:
         for group in groups:
+            self._largest_group = max(self._largest_group, len(group))
             for t in group:
                 self.response_ids[t.response_id] = None
                 self.group_ids[t.group_id] = None
                 if t.prompt_id:
                     self.prompt_ids[t.prompt_id] = None
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop the oldest ids past `limit` (a group's response ids go with it)."""
+        limit = self.limit
+        if limit is None:
+            return
+        _drop_oldest(self.prompt_ids, len(self.prompt_ids) - limit)
+        responses = self.response_ids
+        while len(self.group_ids) > limit:
+            group = next(iter(self.group_ids))
+            del self.group_ids[group]
+            index = 0
+            while responses and next(iter(responses)) == f"{group}:{index}":
+                del responses[f"{group}:{index}"]
+                index += 1
+        _drop_oldest(responses, len(responses) - limit * self._largest_group)
 
     def state(self, step: int, version: int) -> TrainerState:
         """A `TrainerState` at `step` / `version` with these ids."""
@@ -112,7 +151,13 @@ class ConsumedIds:
             consumed_response_ids=tuple(self.response_ids),
             consumed_group_ids=tuple(self.group_ids),
             consumed_prompt_ids=tuple(self.prompt_ids),
+            consumed_ids_kept=self.limit,
         )
+
+
+def _drop_oldest(ids: dict[str, None], count: int) -> None:
+    for _ in range(max(0, count)):
+        del ids[next(iter(ids))]
 
 
 def read_checkpoint_meta(path: str | Path) -> TrainerState:
@@ -129,6 +174,7 @@ def read_checkpoint_meta(path: str | Path) -> TrainerState:
         consumed_response_ids=response_ids,
         consumed_group_ids=group_ids,
         consumed_prompt_ids=tuple(meta.get("consumed_prompt_ids", ())),
+        consumed_ids_kept=meta.get("consumed_ids_kept"),
     )
 
 

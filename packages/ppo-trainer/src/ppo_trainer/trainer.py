@@ -150,6 +150,7 @@ class PPOTrainer:
         on_checkpoint: Callable[[Path], Awaitable[None]] | None = None,
         checkpoint_labels: Mapping[str, str] | None = None,
         staleness_bound: StalenessBound | None = None,
+        consumed_ids_kept: int | None = None,
     ) -> None:
         self.config = config or PPOConfig()
         # The run's one bound (any object with `max_staleness` and `too_stale`); without
@@ -183,7 +184,10 @@ class PPOTrainer:
         # True while the weights equal those of `self._version` (at the start, right after a
         # push, after a checkpoint load): only then is `ppo/behav_logprob_diff` meaningful.
         self._weights_are_version = True
-        self._consumed = ConsumedIds()
+        # None: every consumed id, for a source that resumes by skipping them; a number:
+        # the most recent ones only (memory and checkpoints that do not grow with the run).
+        self._consumed_ids_kept = consumed_ids_kept
+        self._consumed = ConsumedIds(limit=consumed_ids_kept)
         self._dropped_total = 0
         self._latest: dict[str, MetricValue] = {}
         self._stop_requested = False
@@ -229,8 +233,9 @@ class PPOTrainer:
 
     @property
     def consumed_prompt_ids(self) -> tuple[str, ...]:
-        """Distinct `prompt_id`s of the consumed samples, in first-seen order: what a resumed
-        prompt stream skips (empty ids, from producers older than schema 3, are left out)."""
+        """Distinct `prompt_id`s of the consumed samples, in first-seen order (the last
+        `consumed_ids_kept` of them when set): what a resumed prompt stream skips (empty
+        ids, from producers older than schema 3, are left out)."""
         return tuple(self._consumed.prompt_ids)
 
     def stats(self) -> dict[str, MetricValue]:
@@ -596,7 +601,7 @@ class PPOTrainer:
         self._step = state.step
         self._version = state.version
         self._weights_are_version = True  # the sink is assumed to get these weights as `version`
-        self._consumed = ConsumedIds.of_state(state)
+        self._consumed = ConsumedIds.of_state(state, limit=self._consumed_ids_kept)
         logger.info("loaded checkpoint %s (step %d, version %d)", path, self._step, self._version)
 
     @classmethod

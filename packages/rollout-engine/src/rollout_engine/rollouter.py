@@ -137,11 +137,10 @@ class Rollouter:
         self._prompts = PromptSource(prompts, self._prompt_executor)
         # A stream that can say where it is (`checkpoint_state()`): snapshots record it.
         state = getattr(prompts, "checkpoint_state", None)
-        self._prompt_state: Callable[[], dict[str, Any]] | None = (
-            state if callable(state) else None
-        )
+        self._prompt_state: Callable[[], dict[str, Any]] | None = state if callable(state) else None
         self._fetch: asyncio.Future[PromptSample | None] | None = None
         self._returned: deque[PromptSample] = deque()  # too stale, admitted again first
+        self._exhausted = False  # the stream has no more prompts
         self._stale_retried = 0
         self._gate = WeightGate(engine, engine.version)
         self._admission = AdmissionPolicy(
@@ -357,9 +356,9 @@ class Rollouter:
             samples.append(self._pending)
         fetch = self._fetch
         if fetch is not None and fetch.done() and not fetch.cancelled():
-            if fetch.exception() is None and (sample := fetch.result()) is not None:
-                if sample is not self._pending:
-                    samples.append(sample)
+            sample = fetch.result() if fetch.exception() is None else None
+            if sample is not None and sample is not self._pending:
+                samples.append(sample)
         samples.extend(self._returned)
         version = self._gate.version
         return [
@@ -505,14 +504,15 @@ class Rollouter:
                 return
             if self._pending is None:
                 self._pending = self._restore_queue.pop()
-            if self._pending is None and self._returned:
-                self._pending = self._returned.popleft()
             if self._pending is None:
-                self._pending = await self._fetch_prompt()
-                self._fetch = None  # its prompt is `_pending` now (snapshots look there)
-                if self._pending is None:
-                    return  # prompts exhausted (or stop requested)
-                continue
+                self._pending = await self._next_prompt()
+                if self._pending is not None:
+                    continue
+                if self._exhausted and self._config.retry_stale and self._in_flight:
+                    self._set_state("finishing")
+                    await self._wait_first()  # a group still running may give its prompt back
+                    continue
+                return  # prompts exhausted (or stop requested)
             blocker = self._admission_blocker()
             if blocker in (None, "concurrency"):
                 self._end_drain_interrupt()
@@ -522,6 +522,19 @@ class Rollouter:
                 self._note_restored_progress()  # a restored group restarted from scratch
             else:
                 await self._wait_while_blocked(blocker)
+
+    async def _next_prompt(self) -> PromptSample | None:
+        """A prompt given back as too stale, else the stream's next (None: exhausted or
+        stopping)."""
+        if self._returned:
+            return self._returned.popleft()
+        if self._exhausted:
+            return None
+        sample = await self._fetch_prompt()
+        self._fetch = None  # its prompt is `_pending` now (snapshots look there)
+        if sample is None and not self._stop_requested.is_set():
+            self._exhausted = True
+        return sample
 
     def _admission_blocker(self) -> _Blocker | None:
         if self._gate.paused:

@@ -217,11 +217,6 @@ def _read_resume_point(
     from ppo_trainer import read_checkpoint_meta
 
     meta = read_checkpoint_meta(checkpoint)
-    if meta.consumed_group_ids and not meta.consumed_prompt_ids:
-        raise RunFailed(
-            f"--resume {run_dir}: its checkpoint predates trajectories carrying `prompt_id` "
-            "(schema 3), so the prompts it trained on are unknown; start a new run"
-        )
     prompts = frozenset(meta.consumed_prompt_ids)
     queued = load_queued(
         checkpoint,
@@ -235,9 +230,56 @@ def _read_resume_point(
     inflight = load_inflight(
         checkpoint, consumed_prompt_ids=prompts | queued.prompt_ids, group_size=config.group_size
     )
+    states = {
+        int(s.prompt_state["seed"]): dict(s.prompt_state)
+        for s in inflight
+        if s.prompt_state is not None
+    }
+    if not states:
+        _check_legacy(meta, run_dir)
+    else:
+        _warn_missing_positions(config, states, len(prompts))
     return ResumePoint(
-        str(checkpoint.resolve()), meta.step, meta.version, prompts, inflight, queued
+        str(checkpoint.resolve()),
+        meta.step,
+        meta.version,
+        prompts,
+        inflight,
+        queued,
+        prompt_states=states,
     )
+
+
+def _check_legacy(meta: Any, run_dir: Path) -> None:
+    """A checkpoint without stream positions resumes by skipping every prompt id it trained
+    on: it must hold them all."""
+    if meta.consumed_group_ids and not meta.consumed_prompt_ids:
+        raise RunFailed(
+            f"--resume {run_dir}: its checkpoint predates trajectories carrying `prompt_id` "
+            "(schema 3), so the prompts it trained on are unknown; start a new run"
+        )
+    if meta.consumed_ids_kept is not None and meta.step:
+        logger.warning(
+            "--resume %s: the checkpoint has no prompt-stream positions (no replica answered "
+            "its snapshot); every stream restarts, skipping only the last %d prompts trained "
+            "on",
+            run_dir,
+            len(meta.consumed_prompt_ids),
+        )
+
+
+def _warn_missing_positions(config: TrainConfig, states: dict[int, Any], kept: int) -> None:
+    from train_app.plan import PROMPT_SEED_STRIDE
+
+    for replica in range(config.rollout_replicas):
+        seed = config.seed * PROMPT_SEED_STRIDE + replica
+        if seed not in states:
+            logger.warning(
+                "replica %d: no prompt-stream position in the checkpoint; its stream restarts, "
+                "skipping only the last %d prompts trained on",
+                replica,
+                kept,
+            )
 
 
 @dataclass

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rollout_engine import RolloutSnapshot
 
 from train_app.config import TrainConfig
 from train_app.driver.aio import await_ref, failure, quietly
@@ -235,7 +236,9 @@ class Supervisor:
         trainer = self.actors.trainer
         handoff = await await_ref(trainer.rollout_handoff.remote())
         replica_plan = replacement_plan(
-            self.plan.replicas[replica], frozenset(handoff["taken"]) | frozenset(queued)
+            self.plan.replicas[replica],
+            frozenset(handoff["taken"]) | frozenset(queued),
+            handoff.get("snapshots", {}).get(replica),
         )
         options = actor_options(replica_plan.resources)
         actor = RolloutActor.options(**options).remote(replica_plan, self.actors.queue)
@@ -258,14 +261,31 @@ class Supervisor:
         return actor
 
 
-def replacement_plan(base: ReplicaPlan, handed_over: frozenset[str]) -> ReplicaPlan:
-    """The plan of a dead replica's replacement: the same prompt stream (same seed), skipping
-    every prompt id already handed over (trained on, in training or queued: `handed_over`)
-    besides those the original skipped. Restored partials (a resumed run) its predecessor
-    had not delivered are continued again; those it delivered are in training or the queue
-    already (`handed_over`; the base plan's skip set holds every restored id, so it cannot
-    tell them apart). Its predecessor's share of a resume's put-back groups was counted by
-    it (`requeued=0`)."""
+def replacement_plan(
+    base: ReplicaPlan, handed_over: frozenset[str], last: RolloutSnapshot | None = None
+) -> ReplicaPlan:
+    """The plan of a dead replica's replacement: the same prompt stream (same seed),
+    skipping every prompt id recently handed over (trained on, in training or queued:
+    `handed_over`; the trainer keeps enough to cover two checkpoint intervals,
+    `plan.consumed_ids_kept`) besides those the original skipped.
+
+    With `last`, the replica's snapshot at the last checkpoint that records its stream's
+    position: the stream starts there and the snapshot's groups not handed over since are
+    continued. Without it, the stream starts where the original's did and the resumed run's
+    restored partials its predecessor had not delivered are continued again (the base
+    plan's skip set holds every restored id, so it cannot tell them apart). Its
+    predecessor's share of a resume's put-back groups was counted by it (`requeued=0`)."""
     skip = base.consumed_prompt_ids | handed_over
-    restore = without_prompts(base.restore, handed_over)
-    return replace(base, consumed_prompt_ids=skip, restore=restore, requeued=0)
+    position, restore, redo = base.prompt_position, base.restore, base.redo_prompt_ids
+    if last is not None and last.prompt_state is not None:
+        position = int(last.prompt_state["position"])
+        skip = skip | frozenset(last.prompt_state.get("skip", ()))
+        restore, redo = last, tuple(last.prompt_state.get("redo", ()))
+    return replace(
+        base,
+        consumed_prompt_ids=skip,
+        prompt_position=position,
+        redo_prompt_ids=tuple(i for i in redo if i not in handed_over),
+        restore=without_prompts(restore, handed_over),
+        requeued=0,
+    )
