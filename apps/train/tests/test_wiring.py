@@ -62,9 +62,22 @@ async def test_a_second_group_of_a_taken_prompt_is_dropped_and_the_batch_refille
     assert [g[0].group_id for g in first] == ["a:0", "b:1"]
     assert [g[0].group_id for g in second] == ["c:4", "d:5"]  # "a" again and "old" dropped
     assert source.duplicates == 2
-    assert source.taken == {"old", "a", "b", "c", "d"}
+    assert set(source.taken) == {"old", "a", "b", "c", "d"}
     with pytest.raises(QueueClosed):
         await source.next_batch(2, current_version=0)
+
+
+async def test_the_duplicate_guard_keeps_only_the_most_recent_prompts() -> None:
+    """With `kept`, the guard's memory does not grow with the run: the oldest ids go."""
+    groups = [_group(p, f"{p}:{n}") for n, p in enumerate(["a", "b", "c", "b", "a", "d"])]
+    source = QueueBatchSource(_ListQueue(groups), max_staleness=1, kept=2)  # type: ignore[arg-type]
+    first = await source.next_batch(3, current_version=0)
+    second = await source.next_batch(2, current_version=0)
+    assert [g[0].group_id for g in first] == ["a:0", "b:1", "c:2"]
+    # "b" is among the last two taken: dropped; "a" was forgotten (a resume's stream, not
+    # this guard, keeps an old prompt from coming again).
+    assert [g[0].group_id for g in second] == ["a:4", "d:5"]
+    assert source.duplicates == 1 and list(source.taken) == ["a", "d"]
 
 
 async def test_the_end_of_the_stream_hands_over_what_was_taken() -> None:

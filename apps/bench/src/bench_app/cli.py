@@ -32,6 +32,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "bench_app.scale_bench",
         "cost vs model size (0.1M..0.5B) and response length: push, trainer, memory",
     ),
+    "resume": (
+        "bench_app.resume_bench",
+        "resume state at 1M prompts: checkpoint bytes, resume latency, memory growth",
+    ),
     "sim": (
         "bench_app.sim_bench",
         "simulator: calibration error vs e2e, 10k steps CPU time, 64:64 GPUs at 7B",
