@@ -159,6 +159,10 @@ async def test_timeout_and_staleness_through_the_actor(make_item) -> None:
     assert [i.version for i in batch] == [5, 6]
     stats = await client.stats()
     assert stats.dropped == {"stale": 2}
+    # Their ids, for a producer to generate again; then only the drops after `since`.
+    assert await client.stale_item_ids() == (2, ["p-0", "p-2"])
+    assert await client.stale_item_ids(since=1) == (2, ["p-2"])
+    assert await client.stale_item_ids(since=2) == (2, [])
     assert stats.get_wait_s >= 0.2
     check_invariant(stats)
     assert set(stats.as_metrics()) == {

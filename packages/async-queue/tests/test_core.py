@@ -197,6 +197,14 @@ async def test_get_batch_returns_what_is_there_up_to_n(make_item) -> None:
     assert len(await queue.get_batch(10)) == 3
 
 
+async def test_on_stale_sees_every_item_dropped_as_too_stale(make_item) -> None:
+    seen: list[str] = []
+    queue = MessageQueue(maxsize=16, on_stale=lambda items: seen.extend(i.item_id for i in items))
+    await queue.put_many([make_item(i, version=v) for i, v in enumerate([0, 3, 1, 4, 5])])
+    await queue.get_batch(10, current_version=5, max_staleness=2)
+    assert seen == ["p-0", "p-2"]
+
+
 async def test_staleness_drops_are_counted_and_wait_continues(make_item) -> None:
     queue = MessageQueue(maxsize=16)
     await queue.put_many([make_item(i, version=v) for i, v in enumerate([0, 3, 1, 4, 5])])

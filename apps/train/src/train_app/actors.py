@@ -97,6 +97,8 @@ class RolloutActor:
         self._queue = queue
         self._run_task: asyncio.Task[Any] | None = None
         self._stale_drops_seen = 0
+        self._stale_ids_seen = 0  # the queue's stale drops whose prompts were given back
+        self._prompt_source: Any = None
         # Failed with the error of a weight push this replica could not load (see wait()).
         self._broken: asyncio.Future[None] | None = None
 
@@ -177,17 +179,18 @@ class RolloutActor:
             from train_app.failure_log import FailureJournal
 
             self._journal = FailureJournal(plan.failures_path, replica=plan.replica)
+        # The source itself (not an iterator): the rollouter's snapshots record its position
+        # (`checkpoint_state`); it seeks there in the prompt thread.
+        self._prompt_source = PromptSource(
+            task,
+            plan.prompt_seed,
+            consumed=plan.consumed_prompt_ids,
+            position=plan.prompt_position,
+            redo=plan.redo_prompt_ids,
+        )
         self._rollouter = Rollouter(
             self._engine,
-            # The source itself (not an iterator): the rollouter's snapshots record its
-            # position (`checkpoint_state`); it seeks there in the prompt thread.
-            PromptSource(
-                task,
-                plan.prompt_seed,
-                consumed=plan.consumed_prompt_ids,
-                position=plan.prompt_position,
-                redo=plan.redo_prompt_ids,
-            ),
+            self._prompt_source,
             QueueTrajectorySink(self._queue),
             task.reward,
             plan.rollout,
@@ -268,6 +271,20 @@ class RolloutActor:
         if share > self._stale_drops_seen:
             self._rollouter.on_downstream_drop(share - self._stale_drops_seen)
             self._stale_drops_seen = share
+            await self._give_back_stale()
+
+    async def _give_back_stale(self) -> None:
+        """The prompts of this replica's stream whose groups the queue dropped as too stale
+        are generated again (the source takes only its own stream's ids)."""
+        try:
+            total, ids = await self._queue.stale_item_ids(self._stale_ids_seen)
+        except Exception:  # a failing queue is reported by the driver
+            return
+        self._stale_ids_seen = total
+        if ids and self._prompt_source is not None:
+            again = self._prompt_source.give_back(ids)
+            if again:
+                logger.info("%d prompts dropped as too stale by the queue come again", again)
 
     async def _stale_drops(self) -> int | None:
         try:

@@ -101,14 +101,16 @@ class PromptSource:
         return self._position
 
     def give_back(self, prompt_ids: Iterable[str]) -> int:
-        """Generate these prompts of this stream again, before any new one (ids of other
-        streams, or of a task that cannot place them, are left out); returns how many were
-        taken. Safe from any thread."""
+        """Generate these prompts of this stream again, before any new one; returns how many
+        were taken. Left out: ids of other streams, of a task that cannot place them, and
+        those at or after the position (the stream hands them out anyway). Safe from any
+        thread."""
         locate = getattr(self._task, "position_of", None)
         if locate is None:
             return 0
-        mine = [i for i in prompt_ids if locate(self._seed, i) is not None]
+        placed = [(i, locate(self._seed, i)) for i in prompt_ids]
         with self._lock:
+            mine = [i for i, where in placed if where is not None and where < self._position]
             self._redo.extend(mine)
         return len(mine)
 

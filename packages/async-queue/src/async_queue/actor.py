@@ -35,7 +35,7 @@ import os
 import pickle
 import resource
 import sys
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Coroutine
 from typing import Any
 
@@ -55,6 +55,7 @@ from async_queue.types import FullPolicy
 __all__ = [
     "DEFAULT_HAND_OVER_TIMEOUT_S",
     "DEFAULT_MAX_CONCURRENCY",
+    "STALE_IDS_KEPT",
     "PayloadAdopter",
     "QueueActor",
     "start_queue_actor",
@@ -70,6 +71,9 @@ DEFAULT_HAND_OVER_TIMEOUT_S = 10.0
 # Abandons that found no get of their ticket are remembered (for a get that arrives late);
 # the oldest are forgotten beyond this many.
 _EARLY_ABANDONS_KEPT = 1024
+# The ids of items dropped as too stale that `stale_item_ids` can still report (a producer
+# generates those prompts again); the oldest are forgotten beyond this many.
+STALE_IDS_KEPT = 4096
 
 
 class PayloadAdopter:
@@ -92,7 +96,12 @@ class QueueActor:
     ) -> None:
         self._hand_over_timeout_s = hand_over_timeout_s
         # Items stay encoded: the actor reads only their version (see async_queue._wire).
-        self._queue: MessageQueue[_wire.RawItem] = MessageQueue(maxsize, policy)
+        self._queue: MessageQueue[_wire.RawItem] = MessageQueue(
+            maxsize, policy, on_stale=self._record_stale
+        )
+        # The ids of the last items dropped as too stale, and how many were ever recorded.
+        self._stale_ids: deque[str] = deque(maxlen=STALE_IDS_KEPT)
+        self._stale_total = 0
         self._gets: dict[str, asyncio.Task[list[_wire.RawItem]]] = {}  # ticket -> its get
         self._abandoned: set[str] = set()  # tickets of running gets their caller abandoned
         self._early_abandons: OrderedDict[str, None] = OrderedDict()
@@ -290,6 +299,18 @@ class QueueActor:
 
     async def item_ids(self) -> list[str]:
         return [_wire.item_id(raw.wire) for raw in self._queue.items()]
+
+    def _record_stale(self, items: list[_wire.RawItem]) -> None:
+        for raw in items:
+            self._stale_ids.append(_wire.item_id(raw.wire))
+        self._stale_total += len(items)
+
+    async def stale_item_ids(self, since: int = 0) -> tuple[int, list[str]]:
+        """(how many stale drops were recorded, the ids of those after the first `since`
+        that are still kept: the last `STALE_IDS_KEPT`)."""
+        missed = self._stale_total - len(self._stale_ids)
+        start = max(0, since - missed)
+        return self._stale_total, list(self._stale_ids)[start:]
 
     async def peek_all(self) -> list[_wire.WireItem]:
         """Every queued item in its wire form, oldest first; nothing is taken or counted (a

@@ -497,6 +497,13 @@ class MessageQueueClient(_QueueClient):
         that replaces a dead one uses them to skip what its predecessor already delivered)."""
         return list(await self._call(self._actor.item_ids))
 
+    async def stale_item_ids(self, since: int = 0) -> tuple[int, list[str]]:
+        """`(total, ids)`: how many items reads have dropped as too stale so far, and the
+        `item_id`s of those after the first `since` (the last `STALE_IDS_KEPT` are kept), so
+        a producer can generate them again: call again with `since=total`."""
+        total, ids = await self._call(self._actor.stale_item_ids, since)
+        return int(total), list(ids)
+
     async def peek_all(self) -> list[QueueItem]:
         """A copy of every queued item, with its payload, oldest first; they stay queued and
         no counter changes (a checkpoint saves what the consumer has not taken yet). By-ref

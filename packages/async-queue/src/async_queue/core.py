@@ -76,11 +76,19 @@ class MessageQueue(Generic[ItemT]):
     - Nothing returns None: a get returns an item/non-empty list or raises.
     """
 
-    def __init__(self, maxsize: int = 1024, policy: FullPolicy | str = FullPolicy.BLOCK) -> None:
+    def __init__(
+        self,
+        maxsize: int = 1024,
+        policy: FullPolicy | str = FullPolicy.BLOCK,
+        on_stale: Callable[[list[ItemT]], None] | None = None,
+    ) -> None:
+        """`on_stale(items)` (optional) sees the items each read drops as too stale, so a
+        producer can generate them again; it must not block."""
         if maxsize < 1:
             raise ValueError(f"maxsize must be >= 1, got {maxsize}")
         self._maxsize = maxsize
         self._policy = FullPolicy(policy)
+        self._on_stale = on_stale
         self._items: deque[ItemT] = deque()
         # Queued items per version: gives oldest/newest version and a cheap "anything stale?".
         self._version_counts: Counter[int] = Counter()
@@ -384,6 +392,8 @@ class MessageQueue(Generic[ItemT]):
             return  # the common case costs O(distinct versions), not O(size)
         kept = [item for item in self._items if item.version >= threshold]
         stale = len(self._items) - len(kept)
+        if self._on_stale is not None:
+            self._on_stale([item for item in self._items if item.version < threshold])
         self._items = deque(kept)
         for version in [v for v in self._version_counts if v < threshold]:
             del self._version_counts[version]
