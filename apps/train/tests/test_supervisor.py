@@ -58,3 +58,19 @@ def test_no_restored_group_delivered_continues_them_all() -> None:
     replacement = replacement_plan(base, frozenset({"new1", "new2"}))
     assert _restored(replacement) == ["a", "b"]
     assert replacement.prompt_seed == base.prompt_seed  # the same prompt stream
+
+
+def test_a_replacement_starts_from_its_streams_position_at_the_last_checkpoint() -> None:
+    """With the replica's last checkpointed snapshot: its stream starts at that position and
+    the snapshot's groups (in flight then) not handed over since are continued, with the
+    prompts that state still had to generate again."""
+    base = _resumed_replica("a")
+    last = RolloutSnapshot(
+        version=9, group_size=2, taken_at=2.0, groups=[_group("s0-40"), _group("s0-41")],
+        prompt_state={"seed": 0, "position": 42, "redo": ["s0-7", "s0-8"], "skip": ["s0-50"]},
+    )  # fmt: skip
+    replacement = replacement_plan(base, frozenset({"s0-41", "s0-8", "s0-42"}), last)
+    assert replacement.prompt_position == 42
+    assert _restored(replacement) == ["s0-40"]
+    assert replacement.redo_prompt_ids == ("s0-7",)
+    assert {"s0-42", "s0-50"} <= replacement.consumed_prompt_ids

@@ -37,6 +37,8 @@ __all__ = [
     "resolve_template",
 ]
 
+# `position_of` keeps the inverse order of this many epochs (a row index array each).
+_EPOCHS_PLACED = 4
 EXTRA_HINT = "install the app's `datasets` extra: pip install 'asyncrl-train[datasets]'"
 
 
@@ -150,8 +152,8 @@ class DatasetTask:
     vision: ClassVar[bool] = False
     _rows: Any = field(init=False, repr=False)
     _scorer: RewardSet = field(init=False, repr=False)
-    _where: Any = field(init=False, repr=False, default=None)  # row -> index, one epoch
-    _where_epoch: int | None = field(init=False, repr=False, default=None)
+    # epoch -> (row -> index in the epoch's order), for the last few epochs asked about
+    _where: dict[int, Any] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self._rows = load_rows(self.path)
@@ -211,14 +213,16 @@ class DatasetTask:
         epoch, row = int(epoch_text[1:]), int(row_text)
         if row >= len(self._rows):
             return None
-        if self._where_epoch != epoch:
+        where = self._where.get(epoch)
+        if where is None:
             import numpy as np
 
+            if len(self._where) >= _EPOCHS_PLACED:
+                self._where.clear()
             order = self.epoch_order(epoch)
-            self._where = np.empty_like(order)
-            self._where[order] = np.arange(len(order))
-            self._where_epoch = epoch
-        index = int(self._where[row])
+            where = self._where[epoch] = np.empty_like(order)
+            where[order] = np.arange(len(order))
+        index = int(where[row])
         if index % self.shards != self.shard:
             return None
         return epoch * self.epoch_length() + index // self.shards
