@@ -18,10 +18,12 @@ classes, and leaves out only the actors around them.
   `resume_point` (checkpoint choice, manifest check, side files) through `plan`, the
   replica's `PromptSource` and a real `Rollouter` (over `rollout_engine.testing.FakeEngine`, a
   fake engine: generation is not what is measured) to its first admitted new prompt, with
-  the event-loop lag of the loop the rollouter runs on. Once from a checkpoint with a stream
-  position, once from an older-format one that lists every consumed prompt id (the
-  compatibility path, which also is what every resume cost before positions existed). The
-  dataset's loading (the rollout actor builds its task at any start) is reported apart.
+  the event-loop lag of the loop the rollouter runs on (the driver's part runs in a thread,
+  as it runs in another process) and the CPU seconds of every thread (wall time on a shared
+  machine is mostly waiting for a core; the load average is reported with it). Once from a
+  checkpoint with a stream position, once from an older-format one that lists every
+  consumed prompt id (the compatibility path, which also is what every resume cost before
+  positions existed). The dataset's loading (the rollout actor builds its task at any start) is reported apart.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import tempfile
 import time
 from itertools import islice
@@ -164,9 +167,9 @@ async def _resume(config: TrainConfig, run_dir: Path, task: DatasetTask) -> dict
     rollouter loop's lag meanwhile."""
     monitor = EventLoopLagMonitor(interval_s=0.005)
     await monitor.start()
-    t0 = time.perf_counter()
-    resume = await asyncio.to_thread(resume_point, config, run_dir)  # the driver, before Ray
-    replica = plan(config, resume=resume).replicas[0]
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    # The driver's part, before Ray starts (not on the rollouter's loop).
+    replica = await asyncio.to_thread(_driver, config, run_dir)
     source = PromptSource(
         task,
         replica.prompt_seed,
@@ -184,12 +187,17 @@ async def _resume(config: TrainConfig, run_dir: Path, task: DatasetTask) -> dict
     run = asyncio.create_task(rollouter.run())
     while rollouter.stats().admitted <= restored:  # noqa: ASYNC110 - polling a counter
         await asyncio.sleep(0.001)
-    seconds = time.perf_counter() - t0
+    seconds, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     await rollouter.stop()
     await run
     lag = monitor.metrics()
     await monitor.stop()
-    return {"s": seconds, "lag_max_ms": lag["event_loop/lag_ms_max"], "restored": restored}
+    return {"s": seconds, "cpu_s": cpu_s, "lag_max_ms": lag["event_loop/lag_ms_max"]}
+
+
+def _driver(config: TrainConfig, run_dir: Path) -> Any:
+    """The resume point and replica 0's plan, as the driver makes them."""
+    return plan(config, resume=resume_point(config, run_dir)).replicas[0]
 
 
 def _zero(sample: Any, trajectory: Any) -> float:
@@ -241,9 +249,12 @@ def _report(
         "legacy_state_bytes": legacy_bytes,
         "state_target_bytes": TARGET_STATE_BYTES,
         "resume_to_first_prompt_s": round(position["s"], 4),
+        "resume_cpu_s": round(position["cpu_s"], 4),
         "resume_loop_lag_max_ms": round(position["lag_max_ms"], 2),
         "legacy_resume_to_first_prompt_s": round(legacy["s"], 4),
+        "legacy_resume_cpu_s": round(legacy["cpu_s"], 4),
         "legacy_resume_loop_lag_max_ms": round(legacy["lag_max_ms"], 2),
+        "load_average": round(os.getloadavg()[0], 1),
         "resume_target_s": TARGET_RESUME_S,
         "dataset_load_s": round(resumes["dataset_load_s"], 3),
         f"rss_at_{early}_mib": round(growth["rss_early_mib"], 1),
@@ -260,6 +271,7 @@ def _report(
     rows = [
         _row("prompt state in the checkpoint (bytes)", state_bytes, legacy_bytes),
         _row("resume to first admitted prompt (s)", position["s"], legacy["s"]),
+        _row("  of which CPU, every thread (s)", position["cpu_s"], legacy["cpu_s"]),
         _row(
             "rollouter loop lag in the resume, max (ms)",
             position["lag_max_ms"],

@@ -30,7 +30,7 @@ yet passed (only those of this stream when the task can tell, `position_of`).
 
 from __future__ import annotations
 
-import bisect
+import heapq
 import logging
 import threading
 from collections import deque
@@ -199,27 +199,28 @@ class PromptSource:
         return ((i, p) for i, p in walked if p.prompt_id not in self._skip)
 
     def _place_skipped(self) -> None:
-        """Order the skipped ids by position (those this stream passed are dropped), so the
-        state carries only those still ahead."""
+        """Place the skipped ids by position in a heap (those this stream passed, or of
+        another stream, are dropped), so the state carries only those still ahead. A heap,
+        not a sort: an older checkpoint's million ids are placed without holding the
+        interpreter for seconds in one call."""
         locate = getattr(self._task, "position_of", None)
         ahead: list[tuple[int, str]] = []
         unplaced: list[str] = []
         for prompt_id in self._skip:
-            where = locate(self._seed, prompt_id) if locate is not None else -1
-            if where is None or (where is not None and 0 <= where < self._position):
-                continue  # another stream's, or already passed
-            if where is not None and where >= 0:
-                ahead.append((where, prompt_id))
-            else:
+            if locate is None:
                 unplaced.append(prompt_id)
-        ahead.sort()
+                continue
+            where = locate(self._seed, prompt_id)
+            if where is not None and where >= self._position:
+                ahead.append((where, prompt_id))
+        heapq.heapify(ahead)
         with self._lock:
-            self._ahead, self._unplaced = ahead, sorted(unplaced)
+            self._ahead, self._unplaced = ahead, unplaced
 
     def _pass(self, position: int) -> None:
         ahead = self._ahead
-        if ahead and ahead[0][0] < position:
-            del ahead[: bisect.bisect_left(ahead, (position, ""))]
+        while ahead and ahead[0][0] < position:
+            heapq.heappop(ahead)
 
     def _epoch_length(self) -> int | None:
         length = getattr(self._task, "epoch_length", None)
