@@ -23,7 +23,8 @@ classes, and leaves out only the actors around them.
   machine is mostly waiting for a core; the load average is reported with it). Once from a
   checkpoint with a stream position, once from an older-format one that lists every
   consumed prompt id (the compatibility path, which also is what every resume cost before
-  positions existed). The dataset's loading (the rollout actor builds its task at any start) is reported apart.
+  positions existed). The dataset's loading (the rollout actor builds its task at any start)
+  is reported apart.
 """
 
 from __future__ import annotations
