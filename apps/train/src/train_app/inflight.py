@@ -430,8 +430,8 @@ def load_queued(
     skip = set(consumed_prompt_ids)
     kept: list[QueueItem] = []
     kept_prompts: set[str] = set()
-    dropped = dropped_tokens = 0
     dropped_ids: list[str] = []
+    dropped_tokens = 0
     for item in snapshot.items:
         group = _decode_group(item)
         prompt_id = (group[0].prompt_id if group else "") or item.item_id
@@ -454,7 +454,6 @@ def load_queued(
                 version - item.version,
                 max_staleness,
             )
-            dropped += 1
             dropped_tokens += _generated_tokens(group)
             dropped_ids.append(prompt_id)
             continue
@@ -465,7 +464,7 @@ def load_queued(
     return QueuedGroups(
         items=tuple(kept),
         prompt_ids=frozenset(kept_prompts),
-        dropped_stale=dropped,
+        dropped_stale=len(dropped_ids),
         dropped_tokens=dropped_tokens,
         dropped_prompt_ids=tuple(dropped_ids),
         saved=True,

@@ -135,13 +135,7 @@ class Rollouter:
         self._bound = staleness_bound if staleness_bound is not None else config.staleness_bound
         self._clock = clock
         self._prompts = PromptSource(prompts, self._prompt_executor)
-        # A stream that can say where it is (`checkpoint_state()`): snapshots record it.
-        state = getattr(prompts, "checkpoint_state", None)
-        self._prompt_state: Callable[[], dict[str, Any]] | None = state if callable(state) else None
-        self._fetch: asyncio.Future[PromptSample | None] | None = None
-        self._returned: deque[PromptSample] = deque()  # too stale, admitted again first
-        self._exhausted = False  # the stream has no more prompts
-        self._stale_retried = 0
+        self._init_prompt_tracking(prompts)
         self._gate = WeightGate(engine, engine.version)
         self._admission = AdmissionPolicy(
             self._bound.max_staleness, config.groups_per_version, base_version=engine.version
@@ -175,6 +169,15 @@ class Rollouter:
             clock=clock,
             reward_executor=self._reward_executor,
         )
+
+    def _init_prompt_tracking(self, prompts: object) -> None:
+        # A stream that can say where it is (`checkpoint_state()`): snapshots record it.
+        state = getattr(prompts, "checkpoint_state", None)
+        self._prompt_state: Callable[[], dict[str, Any]] | None = state if callable(state) else None
+        self._fetch: asyncio.Future[PromptSample | None] | None = None
+        self._returned: deque[PromptSample] = deque()  # too stale, admitted again first
+        self._exhausted = False  # the stream has no more prompts
+        self._stale_retried = 0
 
     @staticmethod
     def _default_pacing(config: RolloutConfig) -> PacingPolicy:
