@@ -219,3 +219,24 @@ def _fields(config: TrainConfig) -> dict:
         "group_size": config.group_size,
         "max_staleness": config.max_staleness,
     }
+
+
+def test_a_changed_group_size_restarts_the_saved_groups_from_their_prompts(
+    task, tmp_path: Path
+) -> None:
+    """The stream goes on after the saved groups, so they are kept (from the prompt) rather
+    than dropped as a file without a position is."""
+    from rollout_engine import ResponseSnapshot
+    from train_app.inflight import load_inflight
+
+    sample = next(iter(PromptSource(task, seed=0)))
+    response = ResponseSnapshot(token_ids=[5], logprobs=[-0.5], versions=[3])
+    group = GroupSnapshot(
+        group_id="g", sample=sample, admitted_version=3, responses=[response, response]
+    )
+    for replica, state in enumerate(({"seed": 0, "position": 1}, None)):
+        saved = RolloutSnapshot(version=3, group_size=2, groups=[group], prompt_state=state)
+        save_snapshot(saved, inflight_path(tmp_path, replica))
+    (kept,) = load_inflight(tmp_path, group_size=4)
+    assert kept.group_size == 4 and kept.prompt_state == {"seed": 0, "position": 1}
+    assert [(g.sample.prompt_id, g.responses) for g in kept.groups] == [(sample.prompt_id, [])]
