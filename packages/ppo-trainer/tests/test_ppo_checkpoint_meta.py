@@ -98,3 +98,26 @@ def test_a_kept_window_stays_the_same_size_however_many_groups_are_consumed(
         assert raw["consumed_group_sizes"] == [[4, 64]]
         sizes.append(len((tmp_path / STATE_FILE).read_text()))
     assert abs(sizes[1] - sizes[0]) <= 64 * 9  # only the ids' digits differ (3 per id)
+
+
+def test_a_full_older_state_loads_into_a_window_at_once() -> None:
+    """An older checkpoint's every id (here 200,000 groups) cut to the window on load, in well
+    under a second (deleting a dict's head id by id would take minutes at a million)."""
+    import time
+
+    from ppo_trainer import ConsumedIds
+
+    groups = tuple(f"s0-{i}:{i}" for i in range(200_000))
+    state = TrainerState(
+        step=1,
+        version=1,
+        consumed_response_ids=tuple(f"{g}:{k}" for g in groups for k in range(2)),
+        consumed_group_ids=groups,
+        consumed_prompt_ids=tuple(g.split(":")[0] for g in groups),
+    )
+    t0 = time.perf_counter()
+    ids = ConsumedIds.of_state(state, limit=100)
+    assert time.perf_counter() - t0 < 5.0  # generous: a loaded 2-core machine
+    assert list(ids.group_ids) == list(groups[-100:])
+    assert list(ids.response_ids) == [f"{g}:{k}" for g in groups[-100:] for k in range(2)]
+    assert next(iter(ids.prompt_ids)) == "s0-199900"

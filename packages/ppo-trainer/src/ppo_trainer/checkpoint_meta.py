@@ -101,11 +101,13 @@ class ConsumedIds:
         if limit is not None and limit < 1:
             raise ValueError(f"limit must be >= 1 or None, got {limit}")
         self.limit = limit
+        if limit is not None:  # cut before building: deleting a dict's head one by one is slow
+            group_ids, prompt_ids = group_ids[-limit:], prompt_ids[-limit:]
+            response_ids = _responses_of(response_ids, group_ids, limit)
         self.response_ids: dict[str, None] = dict.fromkeys(response_ids)
         self.group_ids: dict[str, None] = dict.fromkeys(group_ids)
         self.prompt_ids: dict[str, None] = dict.fromkeys(prompt_ids)
         self._largest_group = 1
-        self._trim()
 
     @classmethod
     def of_state(cls, state: TrainerState, limit: int | None = None) -> ConsumedIds:
@@ -153,6 +155,16 @@ class ConsumedIds:
             consumed_prompt_ids=tuple(self.prompt_ids),
             consumed_ids_kept=self.limit,
         )
+
+
+def _responses_of(
+    response_ids: Sequence[str], group_ids: Sequence[str], limit: int
+) -> Sequence[str]:
+    """The response ids of `group_ids` when they follow the `f"{group_id}:{i}"` naming, else
+    the last `limit` of them."""
+    kept = set(group_ids)
+    mine = [r for r in response_ids if r.rpartition(":")[0] in kept]
+    return mine if mine or not response_ids else response_ids[-limit:]
 
 
 def _drop_oldest(ids: dict[str, None], count: int) -> None:
