@@ -282,9 +282,9 @@ class RolloutActor:
             return
         self._stale_ids_seen = total
         if ids and self._prompt_source is not None:
-            again = self._prompt_source.give_back(ids)
-            if again:
-                logger.info("%d prompts dropped as too stale by the queue come again", again)
+            # The source keeps its own stream's and generates them again (in its thread).
+            self._prompt_source.give_back(ids)
+            logger.info("%d prompts dropped as too stale by the queue given back", len(ids))
 
     async def _stale_drops(self) -> int | None:
         try:

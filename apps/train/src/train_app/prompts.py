@@ -90,7 +90,7 @@ class PromptSource:
         self._skip = frozenset(consumed)
         self._position = position
         self._lock = threading.Lock()
-        self._redo: deque[str] = deque()
+        self._redo: deque[tuple[str, int]] = deque()  # (id, the position when given back)
         self.give_back(redo)
         # Skipped ids not passed yet, by position (filled in the prompt thread).
         self._ahead: list[tuple[int, str]] | None = None
@@ -100,19 +100,13 @@ class PromptSource:
     def position(self) -> int:
         return self._position
 
-    def give_back(self, prompt_ids: Iterable[str]) -> int:
-        """Generate these prompts of this stream again, before any new one; returns how many
-        were taken. Left out: ids of other streams, of a task that cannot place them, and
-        those at or after the position (the stream hands them out anyway). Safe from any
-        thread."""
-        locate = getattr(self._task, "position_of", None)
-        if locate is None:
-            return 0
-        placed = [(i, locate(self._seed, i)) for i in prompt_ids]
+    def give_back(self, prompt_ids: Iterable[str]) -> None:
+        """Generate these prompts of this stream again, before any new one. Cheap and safe
+        from any thread: they are placed in the prompt thread, when the stream is next read,
+        and left out there if they are another stream's, the task cannot place them, or they
+        lie at or after the position of now (the stream hands them out anyway)."""
         with self._lock:
-            mine = [i for i, where in placed if where is not None and where < self._position]
-            self._redo.extend(mine)
-        return len(mine)
+            self._redo.extend((i, self._position) for i in prompt_ids)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """`{"seed", "position", "epoch", "cursor"}`, plus `"skip"` while skipped ids lie
@@ -126,10 +120,10 @@ class PromptSource:
                 "cursor": at.cursor,
             }
             if self._ahead is None:  # not started: every skipped id is still ahead
-                skip = sorted(self._skip)
+                skip = list(self._skip)
             else:
                 skip = [*self._unplaced, *(i for _, i in self._ahead)]
-            redo = list(self._redo)
+            redo = [prompt_id for prompt_id, _ in self._redo]
         if skip:
             state["skip"] = skip
         if redo:
@@ -176,20 +170,24 @@ class PromptSource:
             yield sample
 
     def _take_redo(self) -> PromptSample | None:
-        """The next prompt to generate again, rebuilt from its position (it leaves the
-        state once handed out: the rollouter holds it then)."""
+        """The next prompt of this stream to generate again, rebuilt from its position (it
+        leaves the state once handed out: the rollouter holds it then)."""
+        locate = getattr(self._task, "position_of", None)
+        seek = getattr(self._task, "stream_from", None)
         while True:
             with self._lock:
                 if not self._redo:
                     return None
-                prompt_id = self._redo[0]
-            where = self._task.position_of(self._seed, prompt_id)  # type: ignore[attr-defined]
-            found = next(iter(self._task.stream_from(self._seed, where)), None)  # type: ignore[attr-defined]
+                prompt_id, before = self._redo[0]
+            where = locate(self._seed, prompt_id) if locate and seek else None
+            found = None
+            if where is not None and where < before:
+                found = next(iter(seek(self._seed, where)), None)  # type: ignore[misc]
             with self._lock:
                 self._redo.popleft()
             if found is not None and found[1].prompt_id == prompt_id:
                 return found[1]
-            logger.warning("prompt %s cannot be rebuilt from its position; skipped", prompt_id)
+            logger.debug("prompt %s: not one of this stream's to generate again", prompt_id)
 
     def _stream(self, start: int) -> Iterator[tuple[int, PromptSample]]:
         seek = getattr(self._task, "stream_from", None)
