@@ -51,3 +51,69 @@ def test_another_error_is_raised_at_once_and_leaves_no_process(
         cluster.start_local_ray(num_cpus=1, options={})
     assert len(spawned) == 1 and spawned[0].wait(timeout=10) != 0
     assert time.monotonic() - started < 10
+
+
+def test_a_timed_out_start_is_not_retried_once_asked_to_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A signal came while Ray started (`give_up()` true): the failed start is cleaned up and
+    raised, not retried (the run then stops as the signal asked)."""
+    spawned: list[subprocess.Popen[bytes]] = []
+
+    def init(**_: object) -> None:
+        spawned.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        raise RuntimeError("The current node timed out during startup.")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    with pytest.raises(RuntimeError, match="timed out"):
+        cluster.start_local_ray(num_cpus=1, options={}, give_up=lambda: True)
+    assert len(spawned) == 1 and spawned[0].wait(timeout=10) != 0
+
+
+def test_ray_init_leaves_the_drivers_sigterm_handler_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`ray.init` sets a SIGTERM handler that exits mid-start (exit 15, the half-started
+    cluster left behind); `start_ray` keeps the driver's own in place while Ray starts."""
+    import signal
+
+    from ray._private import utils
+    from train_app.config import TrainConfig
+
+    def init(**_: object) -> None:  # what ray.init does first, then the start
+        utils.set_sigterm_handler(lambda signum, frame: sys.exit(signum))
+
+    def own(signum: int, frame: object) -> None:
+        pass
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(cluster, "_link_ray_logs", lambda logs: None)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp")
+    previous = signal.signal(signal.SIGTERM, own)
+    try:
+        for config in (TrainConfig(), TrainConfig(ray_address="auto")):
+            cluster.start_ray(config, logs=None)  # type: ignore[arg-type]
+            assert signal.getsignal(signal.SIGTERM) is own
+        utils.set_sigterm_handler(signal.SIG_DFL)  # outside start_ray: Ray's function works
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_processes_left_after_ray_shutdown_are_killed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child the shutdown did not end (an engine core the raylet was gone too soon to
+    reap) is killed after the grace time; one that ends by itself is left alone."""
+    stays = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ends = subprocess.Popen([sys.executable, "-c", "pass"])
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    try:
+        processes = cluster.stop_local_ray()
+        assert {stays.pid, ends.pid} <= {p.pid for p in processes}
+        assert cluster.reap(processes, exit_s=3.0) == [stays.pid]
+        assert stays.wait(timeout=10) != 0
+    finally:
+        stays.kill()
+        stays.wait()
+        ends.wait()
