@@ -112,8 +112,31 @@ def test_processes_left_after_ray_shutdown_are_killed(monkeypatch: pytest.Monkey
         processes = cluster.stop_local_ray()
         assert {stays.pid, ends.pid} <= {p.pid for p in processes}
         assert cluster.reap(processes, exit_s=3.0) == [stays.pid]
-        assert stays.wait(timeout=10) != 0
+        assert not psutil.pid_exists(stays.pid)  # (killed and reaped by `reap`)
     finally:
         stays.kill()
         stays.wait()
         ends.wait()
+
+
+def test_an_orphan_of_the_cluster_is_adopted_and_killed(tmp_path) -> None:
+    """A process whose parent exits (an engine core when the raylet went down first) is
+    adopted by the driver (a subreaper), so `reap` still finds and kills it. In a child
+    interpreter: being a subreaper lasts for the process."""
+    code = (
+        "import subprocess, sys, time, psutil\n"
+        "from train_app.driver import cluster\n"
+        "cluster._adopt_orphans()\n"
+        "parent = subprocess.Popen([sys.executable, '-c', 'import subprocess, sys; "
+        'print(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]).pid)\'],'
+        " stdout=subprocess.PIPE, text=True)\n"
+        "orphan = int(parent.stdout.readline()); parent.wait()\n"
+        "time.sleep(0.5)\n"
+        "assert psutil.Process(orphan).ppid() == psutil.Process().pid, 'not adopted'\n"
+        "print(cluster.reap([], exit_s=1.0) == [orphan], psutil.pid_exists(orphan))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "False"], out.stdout

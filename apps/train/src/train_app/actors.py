@@ -380,6 +380,7 @@ class TrainerActor:
         self._setup_lock = asyncio.Lock()
         self._source: Any = None  # train()'s QueueBatchSource
         self._dp: Any = None  # ppo_trainer.DataParallel when world_size > 1
+        self._store_socket: Any = None  # rank 0's, from `rendezvous` to `setup`
 
     def log(self, metrics: dict[str, Any], step: int) -> None:  # MetricsSink
         if self._plan.rank != 0:
@@ -394,15 +395,18 @@ class TrainerActor:
 
     async def rendezvous(self, loopback: bool = False) -> str:
         """The torch.distributed address of the group (ask rank 0): `tcp://` this node's IP
-        and a port free on it now (rank 0 listens there in `setup`). `loopback` (every rank
-        on this node): 127.0.0.1, so the store, which authenticates no one and unpickles
-        what it is sent, is not reachable from other machines."""
-        import socket
+        and a port this actor listens on from now (`ppo_trainer.listen_for_ranks`; its store
+        serves on that very socket in `setup`, so the port is never released and re-bound,
+        and nothing listens on the other interfaces). `loopback` (every rank on this node):
+        127.0.0.1, so the store, which authenticates no one and unpickles what it is sent,
+        is not reachable from other machines."""
+        from ppo_trainer import listen_for_ranks
 
         host = LOOPBACK_HOST if loopback else ray.util.get_node_ip_address()
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = int(sock.getsockname()[1])
+        if self._store_socket is not None:
+            self._store_socket.close()
+        self._store_socket = listen_for_ranks(host)
+        port = int(self._store_socket.getsockname()[1])
         return f"tcp://{host}:{port}"
 
     async def setup(self, init_method: str | None = None) -> float:
@@ -429,6 +433,7 @@ class TrainerActor:
             # The ranks' own connections (gloo's, NCCL's bootstrap) on loopback too.
             for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
                 os.environ.setdefault(variable, LOOPBACK_INTERFACE)
+        store_socket, self._store_socket = self._store_socket, None  # the store takes it
         return await asyncio.to_thread(
             DataParallel.init,
             plan.rank,
@@ -436,6 +441,7 @@ class TrainerActor:
             init_method=init_method,
             strategy=plan.dp_strategy,  # type: ignore[arg-type]
             timeout_s=plan.dp_timeout_s,
+            store_socket=store_socket,
         )
 
     async def _build_trainer(self, init_method: str | None = None) -> None:

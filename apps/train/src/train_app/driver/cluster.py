@@ -7,7 +7,9 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,7 @@ def start_ray(config: TrainConfig, logs: Path, give_up: Callable[[], bool] = lam
             ray.init(address=config.ray_address, **options)
             started = False
         else:
+            _adopt_orphans()
             start_local_ray(num_cpus=ray_num_cpus(config), options=options, give_up=give_up)
             started = True
     _link_ray_logs(logs)
@@ -120,9 +123,9 @@ def stop_local_ray() -> list[Any]:
     """`ray.shutdown` of a cluster this process started; returns the processes of its tree
     as they were just before (psutil), for `reap` to kill those that outlive it. The raylet
     reaps the engine cores of the workers it kills, but a shutdown right after killing the
-    actors (a second Ctrl-C) takes the raylet down first: the cores it would have reaped
-    are adopted by init and run on. They were this process's descendants while the raylet
-    lived, so they are known before it goes."""
+    actors (a second Ctrl-C) takes the raylet down first, and what it would have reaped (or
+    what it started late: a dashboard agent on a loaded machine) is orphaned. This process
+    adopts such orphans (`_adopt_orphans`), so `reap` finds them too."""
     import psutil
     import ray
 
@@ -135,17 +138,43 @@ def stop_local_ray() -> list[Any]:
 
 
 def reap(processes: list[Any], exit_s: float = LOCAL_RAY_EXIT_S) -> list[int]:
-    """Kill those of `processes` still running after `exit_s` (blocking: call it in a
-    thread); returns their pids."""
+    """Kill those of `processes`, and of this process's descendants now, still running
+    after `exit_s` (blocking: call it in a thread); returns their pids."""
     import psutil
 
-    _, alive = psutil.wait_procs(processes, timeout=exit_s)
+    deadline = time.monotonic() + exit_s
+    alive: list[Any] = list(processes)
+    while True:
+        with contextlib.suppress(psutil.Error):
+            alive = _merge(alive, psutil.Process().children(recursive=True))
+        _, alive = psutil.wait_procs(alive, timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+        if not alive or time.monotonic() >= deadline:
+            break
     for process in alive:
         with contextlib.suppress(psutil.Error):
             process.kill()
+    psutil.wait_procs(alive, timeout=2.0)  # (reaps those that are this process's children)
     if alive:
         logger.info("killed %d processes left after Ray's shutdown", len(alive))
     return [process.pid for process in alive]
+
+
+def _merge(known: list[Any], found: list[Any]) -> list[Any]:
+    pids = {process.pid for process in known}
+    return known + [process for process in found if process.pid not in pids]
+
+
+def _adopt_orphans() -> None:
+    """Make this process a child subreaper (Linux): a process of the local cluster orphaned
+    when its parent (the raylet) exits becomes this process's child, not init's, so the
+    shutdown can still find and end it. A no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_child_subreaper = 36
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
 
 
 @contextlib.contextmanager
