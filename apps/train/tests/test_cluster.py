@@ -140,3 +140,58 @@ def test_an_orphan_of_the_cluster_is_adopted_and_killed(tmp_path) -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "False"], out.stdout
+
+
+_OPEN_PORTS_PROBE = """
+import json, os, subprocess, sys, psutil
+from pathlib import Path
+from train_app.config import TrainConfig
+from train_app.driver import cluster
+logs = Path(sys.argv[1]); logs.mkdir()
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(logs)
+assert cluster.start_ray(TrainConfig(), logs)
+import ray
+listening = set()
+for process in psutil.Process().children(recursive=True):
+    try:
+        for c in process.net_connections(kind="inet"):
+            if c.status == psutil.CONN_LISTEN:
+                listening.add(c.laddr.ip)
+    except psutil.Error:
+        pass
+gcs = ray.get_runtime_context().gcs_address
+env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+env["HOME"] = sys.argv[2]  # no ~/.ray/auth_token there
+stranger = subprocess.run(
+    [sys.executable, "-c", f"import ray; ray.init(address={gcs!r}); print('JOINED')"],
+    env=env, capture_output=True, text=True, timeout=300,
+)
+cluster.reap(cluster.stop_local_ray())
+print(json.dumps({"listening": sorted(listening), "joined": "JOINED" in stranger.stdout,
+                  "stranger": stranger.stderr[-1500:]}))
+"""
+
+
+# Starts a local Ray cluster (the app's way) and a second interpreter that tries to join it:
+# ~40 s on an idle 2-core machine.
+@pytest.mark.slow
+def test_a_local_cluster_listening_beyond_loopback_refuses_a_client_without_its_token(
+    tmp_path,
+) -> None:
+    """Ray (2.60) cannot bind its gRPC servers to loopback, so a run's own cluster listens
+    on every interface; what guards it is Ray's token authentication, on by default for a
+    cluster `ray.init` starts (unless RAY_AUTH_MODE says otherwise). A process on this
+    machine without the token (as one elsewhere on the network would be) cannot join."""
+    import json
+
+    stranger_home = tmp_path / "home"
+    stranger_home.mkdir()
+    out = subprocess.run(
+        [sys.executable, "-c", _OPEN_PORTS_PROBE, str(tmp_path / "logs"), str(stranger_home)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    if set(seen["listening"]) - {"127.0.0.1", "::1"}:  # (Ray 2.60: every interface)
+        assert not seen["joined"], seen
+        assert "token" in seen["stranger"].lower(), seen
