@@ -127,7 +127,8 @@ def _name(process: psutil.Process) -> str:
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_while_ray_starts_exits_cleanly(tmp_path: Path, signum: int, code: int) -> None:
     """The signal as soon as the run's GCS exists (Ray starting, the plan being made).
-    Costs ~30-60 s on a 2-core machine (the app's imports, Ray's start and shutdown)."""
+    Costs ~30-60 s on a quiet 2-core machine (the app's imports, Ray's start and shutdown);
+    measured 108 s (SIGINT) and 86 s (SIGTERM) at load ~29."""
     run = Watched(tmp_path / "run")
     run.wait_for("gcs_server")
     run.proc.send_signal(signum)
@@ -141,7 +142,8 @@ def test_a_signal_while_ray_starts_exits_cleanly(tmp_path: Path, signum: int, co
 def test_a_second_ctrl_c_while_the_engine_core_starts_leaves_none_behind(tmp_path: Path) -> None:
     """Ctrl-C twice (0.5 s apart) once vLLM's engine core process exists: exit 130 at once,
     and the engine core, the rollouter and every Ray process end with the run. Costs ~60-120
-    s on a 2-core machine (Ray's start, the actors' imports, the engine core's start)."""
+    s on a quiet 2-core machine (Ray's start, the actors' imports, the engine core's start);
+    measured 366 s at load ~25, two of Ray's start attempts timing out first."""
     run = Watched(tmp_path / "run")
     run.wait_for("EngineCore")
     run.proc.send_signal(signal.SIGINT)
