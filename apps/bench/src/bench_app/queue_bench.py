@@ -517,9 +517,12 @@ def run(quick: bool) -> BenchReport:
     temp_dir = None
     if not ray.is_initialized():
         temp_dir = tempfile.mkdtemp(prefix="aqbench", dir="/tmp")
+        # The app's start: retried when a loaded machine makes the raylet miss its window.
+        from train_app.driver.cluster import start_local_ray
+
         try:
-            ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
-        except BaseException:  # e.g. the raylet did not start in time on a loaded machine
+            start_local_ray(2, {"_temp_dir": temp_dir, "log_to_driver": False})
+        except BaseException:
             shutil.rmtree(temp_dir, ignore_errors=True)
             raise
     cases = _cases(quick)
