@@ -222,7 +222,7 @@ async def _until(event: asyncio.Event, done: Any) -> None:
 def _build_model(size: ModelSize, directory: Path) -> Any:
     """Random-init Qwen2 of `size`'s shape with the app's character tokenizer, saved."""
     import torch
-    from train_app.tiny_model import build_char_tokenizer
+    from tiny_models import build_char_tokenizer
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_char_tokenizer(directory)

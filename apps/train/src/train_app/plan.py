@@ -384,6 +384,7 @@ def plan(
     config.validate()
     resume = resume or ResumePoint()
     bound = staleness_bound(config)
+    # Exactly one replica on a local machine with a core for every actor: pin them.
     pin = (
         config.rollout_replicas == 1
         and cpu_count >= 1 + config.trainer_workers
@@ -395,8 +396,42 @@ def plan(
     model = _ModelFacts(str(model_dir), max_position_embeddings, eos)
     max_model_len(config, model)  # an impossible --max-model-len fails here, before Ray
     replicas = _replica_plans(config, bound, model, resume, run_dir, log_dir, pin)
-    trainer = TrainerPlan(
-        model_dir=model.path,
+    trainer = _trainer_plan(
+        config,
+        bound,
+        model.path,
+        run_dir,
+        resume,
+        log_dir=log_dir,
+        pin=pin,
+        pad_token_id=pad_token_id,
+        checkpoint_labels=checkpoint_labels,
+    )
+    return RunPlan(
+        queue_maxsize=queue_maxsize(config),
+        replicas=replicas,
+        trainer=trainer,
+        ray_num_cpus=ray_num_cpus(config),
+        steps=config.steps,
+        resume=resume,
+        staleness=bound,
+    )
+
+
+def _trainer_plan(
+    config: TrainConfig,
+    bound: StalenessBound,
+    model_dir: str,
+    run_dir: Path,
+    resume: ResumePoint,
+    *,
+    log_dir: str | None,
+    pin: bool,
+    pad_token_id: int | None,
+    checkpoint_labels: Mapping[str, str] | None,
+) -> TrainerPlan:
+    return TrainerPlan(
+        model_dir=model_dir,
         run_dir=str(run_dir),
         ppo=_ppo_config(config, bound, run_dir),
         vision=_is_vision_task(config.task),
@@ -411,15 +446,6 @@ def plan(
         fallback_pad_token_id=FALLBACK_PAD_TOKEN_ID,
         pad_token_id=pad_token_id,
         checkpoint_labels=dict(checkpoint_labels or {}),
-    )
-    return RunPlan(
-        queue_maxsize=queue_maxsize(config),
-        replicas=replicas,
-        trainer=trainer,
-        ray_num_cpus=ray_num_cpus(config),
-        steps=config.steps,
-        resume=resume,
-        staleness=bound,
     )
 
 
