@@ -46,6 +46,7 @@ from rollout_engine.admission import AdmissionPolicy, PacingPolicy, StalenessBou
 from rollout_engine.config import LoopState, RolloutConfig
 from rollout_engine.continuation import PartialResponse
 from rollout_engine.episode import EnvironmentFactory, EpisodeConfig, EpisodeRunner
+from rollout_engine.evaluation import DEFAULT_EVAL_CONCURRENCY, EvalResult, run_eval_groups
 from rollout_engine.failures import RolloutFailed
 from rollout_engine.group import GroupJob
 from rollout_engine.group_filter import GroupFilter, make_group_filter
@@ -62,6 +63,7 @@ from rollout_engine.types import (
     MultiModalPreprocessor,
     PromptSample,
     RewardFn,
+    SamplingConfig,
     Trajectory,
     TrajectorySink,
 )
@@ -155,6 +157,11 @@ class Rollouter:
         self._stall = StallWatch(config.stall_warning_s, _loop_time)
         self._reward_pool: ThreadPoolExecutor | None = None
         self._prompt_pool: ThreadPoolExecutor | None = None
+        # What `evaluate` reuses: the same reward path, preprocessor and multi-turn setup.
+        self._reward_fn = reward_fn
+        self._preprocessor = preprocessor
+        self._environment, self._episode = environment, episode
+        self._evaluations = 0
         self._groups = make_group_runner(
             engine,
             reward_fn,
@@ -375,6 +382,63 @@ class Rollouter:
         ) as resume:
             await self._engine.load_weights(weights, version)
             resume.version = version
+
+    async def evaluate(
+        self,
+        prompts: Iterable[PromptSample],
+        sampling: SamplingConfig | None = None,
+        *,
+        n: int = 1,
+        reward_fn: RewardFn | None = None,
+        max_concurrency: int = DEFAULT_EVAL_CONCURRENCY,
+    ) -> EvalResult:
+        """Decode held-out `prompts` (`n` responses each, `sampling`, default the training
+        sampling) on this rollouter's engine and score them, beside the dispatch loop.
+
+        A separate admission class (`rollout_engine.evaluation`): nothing here is admitted,
+        delivered, put on the sink or counted in the staleness budget, the ledger, the pacing
+        or `stats()`. Requests go through the weight gate like training's (a push pauses and
+        continues them), rewards run in the same reward executor. `reward_fn` scores with
+        another function (a held-out set of another task; single-turn); by default the
+        rollouter's own (and its environment, for multi-turn). A group that fails is
+        reported in the result, never raised. Safe to call while `run()` runs, or without
+        it; concurrent evaluations are independent."""
+        if n < 1 or max_concurrency < 1:
+            raise ValueError(f"n and max_concurrency must be >= 1, got {n}, {max_concurrency}")
+        self._evaluations += 1
+        own = reward_fn is None
+        runner = make_group_runner(
+            self._engine,
+            self._reward_fn if own else reward_fn,  # type: ignore[arg-type]
+            group_size=n,
+            sampling=sampling if sampling is not None else self._config.sampling,
+            preprocessor=self._preprocessor,
+            environment=self._environment if own else None,
+            episode=self._episode if own else None,
+            wait_until_resumed=self._gate.wait_live,
+            on_resubmit=_not_counted,  # training's `resumed` counts training requests
+            clock=self._clock,
+            reward_executor=self._reward_executor,
+        )
+
+        async def run_group(job: GroupJob) -> list[Trajectory]:
+            try:
+                return await runner.run(job)
+            finally:
+                runner.forget(job.group_id)
+
+        try:
+            return await run_eval_groups(
+                list(prompts),
+                run_group,
+                label=f"eval{self._evaluations}",
+                version=self._gate.version,
+                clock=self._clock,
+                max_concurrency=max_concurrency,
+            )
+        finally:
+            if isinstance(runner, EpisodeRunner):
+                runner.close()
 
     def pause(self) -> None:
         """Stop admitting and hold aborted-request continuations until `on_weights()`.
@@ -731,6 +795,10 @@ class Rollouter:
         """Idle = a weight push holds us paused, or the budget is out and nothing is in flight."""
         out_of_budget = self._state == "draining" and not self._in_flight
         self._idle.set_idle(self._gate.paused or out_of_budget, self._clock())
+
+
+async def _not_counted() -> None:
+    return None
 
 
 def _loop_time() -> float:
