@@ -31,7 +31,8 @@ def _fake_engines(run_plan: RunPlan) -> RunPlan:
     return fake_engines(run_plan, time_per_token_s=0.001)
 
 
-# Measured: 150 s on 2 shared cores at load ~6 (Ray's start ~40 s of it).
+# Measured on 2 shared cores at load ~20: 141 s (1 replica) and 160 s (2 replicas) per run,
+# plus 44 s for the module's Ray start.
 @pytest.mark.slow
 @pytest.mark.parametrize("replicas", [1, 2], ids=["1-replica", "2-replicas"])
 def test_eval_rows_at_the_start_every_n_steps_and_at_the_end(
