@@ -75,9 +75,6 @@ class WandbMirror:
             # The driver already writes its output to <run>/logs; W&B must not wrap stdout.
             settings=wandb.Settings(console="off"),
         )
-        # Held-out evaluations arrive after later steps' rows: W&B plots them against their
-        # own `eval/step` (its step axis only moves forward).
-        self.run.define_metric("eval/*", step_metric="eval/step")
         logger.info("W&B run %s (%s mode)", self.run.id, self.run.settings.mode)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
@@ -88,6 +85,8 @@ class WandbMirror:
             and not isinstance(value, bool)
             and math.isfinite(value)
         }
+        # W&B's step only moves forward: a held-out evaluation's row, which arrives after
+        # later steps' rows, goes to the latest step (its own is in `eval/step`).
         self._last_step = max(self._last_step, step)
         self.run.log(scalars, step=self._last_step)
 
