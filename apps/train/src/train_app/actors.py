@@ -128,6 +128,8 @@ class RolloutActor:
         await self._lag.start()
         task = await self._start_engine(weights, version)
         await self._build_rollouter(task, hold)
+        if weights is not None:  # a replacement: the run's first evaluation is long done
+            self._first_eval_due = False
         # Drops the queue counted before this replica existed are not its own (a replacement).
         self._stale_drops_seen = self._drop_share(await self._stale_drops())
         if begin:
