@@ -97,6 +97,8 @@ class RolloutActor:
         self._queue = queue
         self._run_task: asyncio.Task[Any] | None = None
         self._stale_drops_seen = 0
+        self._evaluator: Any = None  # train_app.evaluation.ReplicaEvaluator, with a held-out set
+        self._first_eval_due = False
         # Failed with the error of a weight push this replica could not load (see wait()).
         self._broken: asyncio.Future[None] | None = None
 
@@ -126,6 +128,8 @@ class RolloutActor:
         await self._lag.start()
         task = await self._start_engine(weights, version)
         await self._build_rollouter(task, hold)
+        if weights is not None:  # a replacement: the run's first evaluation is long done
+            self._first_eval_due = False
         # Drops the queue counted before this replica existed are not its own (a replacement).
         self._stale_drops_seen = self._drop_share(await self._stale_drops())
         if begin:
@@ -156,12 +160,26 @@ class RolloutActor:
             await self._engine.pause(mode="keep", clear_cache=True)
             await self._engine.load_weights(unpack_weights(weights), version)
             await self._engine.resume()
+        self._held_out = await self._held_out_set(tokenizer)
         self._preprocessor = None
         if is_vision_task(plan.task):
             # Images are decoded and resized in VisionPreprocessor's bounded thread pool.
             self._preprocessor = make_vision_preprocessor(task.settings)
             await self._preprocessor.warmup()
         return task
+
+    async def _held_out_set(self, tokenizer: Any) -> tuple[list[Any], Any] | None:
+        """This replica's held-out prompts and their reward function (None: no evaluation);
+        the set is read and tokenized in a thread."""
+        from train_app.evaluation import eval_prompts
+        from train_app.tasks import make_task
+
+        plan = self._plan.eval
+        if plan is None:
+            return None
+        task = await asyncio.to_thread(make_task, plan.task, tokenizer, **plan.task_options)
+        stream = task.prompts(plan.prompt_seed)
+        return await asyncio.to_thread(eval_prompts, plan, stream), task.reward
 
     async def _build_rollouter(self, task: Any, hold: bool) -> None:
         """The `Rollouter` over the engine: its prompt stream, the queue, the failure journal,
@@ -196,6 +214,14 @@ class RolloutActor:
             self._rollouter.count_requeued(plan.requeued)
         if hold:
             self._rollouter.hold_new_prompts()
+        if plan.eval is not None and self._held_out is not None:
+            from train_app.evaluation import ReplicaEvaluator
+
+            prompts, reward = self._held_out
+            self._evaluator = ReplicaEvaluator(
+                plan.eval, plan.replica, self._rollouter, prompts, reward
+            )
+            self._first_eval_due = True
 
     async def restored_delivered(self) -> None:
         """Returns once this replica's restored groups are delivered (or its loop ended)."""
@@ -210,6 +236,26 @@ class RolloutActor:
         if self._run_task is None:
             self._lag.reset()  # report the steady state, not the engine start-up
             self._run_task = asyncio.create_task(self._run())
+            if self._evaluator is not None and not self._evaluator.plan.resumed:
+                self._first_evaluation(self._rollouter.version)
+
+    def _first_evaluation(self, version: int) -> None:
+        """The evaluation at the start: once the engine holds the run's starting weights
+        (a resumed run's come with the trainer's first push)."""
+        if self._evaluator is not None and self._first_eval_due:
+            self._first_eval_due = False
+            self._evaluator.first(version)
+
+    async def eval_results(self, acked: dict[str, int]) -> dict[str, Any] | None:
+        """The finished evaluations the driver has not acknowledged (`acked`; see
+        `train_app.evaluation.ReplicaEvaluator.results`); None without a held-out set."""
+        return self._evaluator.results(acked) if self._evaluator is not None else None
+
+    async def evaluate_last(self, step: int) -> None:
+        """The evaluation at the end of training (labelled `step`); returns when it is done
+        (at once without a held-out set, or when the last weights were just evaluated)."""
+        if self._evaluator is not None:
+            await self._evaluator.last(step)
 
     async def _run(self) -> dict[str, Any]:
         try:
@@ -247,6 +293,10 @@ class RolloutActor:
             if self._broken is not None and not self._broken.done():
                 self._broken.set_exception(exc)
             raise
+        if self._evaluator is not None:
+            if self._evaluator.plan.resumed:
+                self._first_evaluation(version)
+            self._evaluator.on_version(version)
         await self._report_downstream_drops()
 
     async def _report_downstream_drops(self) -> None:
@@ -316,6 +366,8 @@ class RolloutActor:
 
     async def stop(self) -> None:
         """Stop the rollout loop and close the engine; safe before `start()` has finished."""
+        if self._evaluator is not None:
+            await self._evaluator.aclose()
         if self._run_task is not None and not self._run_task.done():
             await self._rollouter.stop()
             self._run_task.cancel()

@@ -38,6 +38,7 @@ from rollout_engine.admission import Admission, Blocker, PacingPolicy, Staleness
 from rollout_engine.config import LoopState, RolloutConfig
 from rollout_engine.delivery import GroupDelivery
 from rollout_engine.episode import EnvironmentFactory, EpisodeConfig
+from rollout_engine.evaluation import DEFAULT_EVAL_CONCURRENCY, EvalResult, EvalSetup, evaluate
 from rollout_engine.executors import RolloutExecutors
 from rollout_engine.failures import RolloutFailed
 from rollout_engine.group import GroupJob
@@ -55,6 +56,7 @@ from rollout_engine.types import (
     MultiModalPreprocessor,
     PromptSample,
     RewardFn,
+    SamplingConfig,
     TrajectorySink,
 )
 from rollout_engine.weight_gate import WeightGate
@@ -139,6 +141,8 @@ class Rollouter:
         self._idle = IdleClock()
         self._run_started = False
         self._stall = StallWatch(config.stall_warning_s)
+        # What `evaluate` reuses: the same reward path, preprocessor and multi-turn setup.
+        self._eval_setup = EvalSetup(reward_fn, preprocessor, environment, episode)
         self._groups = make_group_runner(
             engine,
             reward_fn,
@@ -335,6 +339,40 @@ class Rollouter:
         ) as resume:
             await self._engine.load_weights(weights, version)
             resume.version = version
+
+    async def evaluate(
+        self,
+        prompts: Iterable[PromptSample],
+        sampling: SamplingConfig | None = None,
+        *,
+        n: int = 1,
+        reward_fn: RewardFn | None = None,
+        max_concurrency: int = DEFAULT_EVAL_CONCURRENCY,
+    ) -> EvalResult:
+        """Decode held-out `prompts` (`n` responses each, `sampling`, default the training
+        sampling) on this rollouter's engine and score them, beside the dispatch loop.
+
+        A separate admission class (`rollout_engine.evaluation`): nothing here is admitted,
+        delivered, put on the sink or counted in the staleness budget, the ledger, the pacing
+        or `stats()`. Requests go through the weight gate like training's (a push pauses and
+        continues them), rewards run in the same reward executor. `reward_fn` scores with
+        another function (a held-out set of another task; single-turn); by default the
+        rollouter's own (and its environment, for multi-turn). A group that fails is
+        reported in the result, never raised. Safe to call while `run()` runs, or without
+        it; concurrent evaluations are independent."""
+        return await evaluate(
+            list(prompts),
+            self._eval_setup,
+            engine=self._engine,
+            sampling=sampling if sampling is not None else self._config.sampling,
+            n=n,
+            reward_fn=reward_fn,
+            max_concurrency=max_concurrency,
+            wait_until_resumed=self._gate.wait_live,
+            version=self._gate.version,
+            clock=self._clock,
+            reward_executor=self._executors.rewards,
+        )
 
     def pause(self) -> None:
         """Stop admitting and hold aborted-request continuations until `on_weights()`.

@@ -215,6 +215,10 @@ class Session:
         trainer_summary = await self.supervisor.train()
         train_s = time.monotonic() - train_started
         await self.supervisor.poll_metrics()
+        if self.stopper.signum is None:  # a stop asked for no more work
+            last_step = (self.plan.resume.step or 0) + int(trainer_summary.get("steps", 0))
+            await self.supervisor.evaluate_last(last_step)
+        await self.reporter.collect_evals(self.actors.rollouts, flush=True)
         await self.reporter.write_failures(self.actors.rollouts)
         groups = await self._account(trainer_summary)
         before = self.reporter.timings.get("prepare_and_ray_s", 0.0)

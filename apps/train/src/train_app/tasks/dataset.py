@@ -52,6 +52,17 @@ def load_rows(path: str | Path) -> Any:
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"--dataset {path}: no such file or directory")
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a bad file's error is one line, with no bar above it
+    try:
+        return _read_rows(datasets, path)
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _read_rows(datasets: Any, path: Path) -> Any:
+    """`load_rows` of an existing path, by its format."""
     try:
         if path.is_dir():
             rows = datasets.load_from_disk(str(path))

@@ -15,7 +15,7 @@ from rollout_engine import PromptSample, Trajectory
 
 from train_app.tasks.dataset import format_prompt, resolve_template
 
-__all__ = ["ReasoningGymTask", "check_names"]
+__all__ = ["ReasoningGymTask", "check_names", "item_index"]
 
 EXTRA_HINT = "install the app's `reasoning-gym` extra: pip install 'asyncrl-train[reasoning-gym]'"
 
@@ -32,6 +32,11 @@ def _library() -> Any:
             f"--env reasoning-gym needs the `reasoning-gym` package; {EXTRA_HINT}"
         ) from None
     return reasoning_gym
+
+
+def item_index(seed: int, index: int) -> int:
+    """The generator item of position `index` of the stream seeded `seed`."""
+    return (seed * 7919 + index) % DATASET_SIZE
 
 
 def check_names(names: Sequence[str]) -> None:
@@ -71,7 +76,7 @@ class ReasoningGymTask:
         index = 0
         while True:
             name = self.names[index % len(self.names)]
-            item = (seed * 7919 + index) % DATASET_SIZE
+            item = item_index(seed, index)
             entry = self._datasets[name][item]
             yield PromptSample(
                 prompt_id=f"s{seed}-{index}",
