@@ -81,7 +81,9 @@ class TrainConfig:
 
     env: str | None = None
     """An environment library instead of `--task`: `reasoning-gym:NAME[,NAME...]` (needs the
-    app's `reasoning-gym` extra; scored by reasoning-gym's own scorer)."""
+    app's `reasoning-gym` extra; scored by reasoning-gym's own scorer), or
+    `verifiers:MODULE|path/to/env.py` (a verifiers environment, single- or multi-turn, scored
+    by its own rubric; needs the `verifiers` extra)."""
 
     corrupt_images: float = 0.0
     """Vision tasks: fraction of dataset images written corrupt or missing (fault drills)."""
