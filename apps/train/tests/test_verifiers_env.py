@@ -5,8 +5,9 @@ through the adapter and the real `Rollouter` / `EpisodeRunner`.
 The engine is `rollout_engine.testing.FakeEngine` (random tokens of the tiny vocabulary; a
 fake because these tests check what reaches the samples, not what a model learns): the
 expected reward of each trajectory is recomputed here from its decoded turns, so the test
-shows verifiers' rubric scored exactly the text the engine generated. Costs ~3 s (verifiers'
-import); the whole run with the tiny model is in test_examples_e2e.py.
+shows verifiers' rubric scored exactly the text the engine generated. Costs ~20 s on this
+loaded 2-core machine, nearly all verifiers' own import (`import verifiers.v1`: 17-28 s with
+load average ~17); the whole run with the tiny model is in test_examples_e2e.py.
 """
 
 from __future__ import annotations
@@ -193,6 +194,12 @@ async def test_multi_turn_masks_the_environments_tokens(tokenizer, env_files) ->
         expected = sum(r.strip() == w for r, w in zip(replies, wanted, strict=False)) / 2
         assert t.reward == pytest.approx(expected)
     assert two_turns == len(sink.trajectories)  # every episode played both turns
+    metrics = task.metrics()  # the rubric's own names: its reward, its metric, finalize's
+    assert metrics["verifiers/turns"] == pytest.approx(2.0)
+    assert set(metrics) == {"reward/both", "reward/finalized", "verifiers/turns"}
+    assert metrics["reward/both"] == pytest.approx(
+        sum(t.reward for t in sink.trajectories) / len(sink.trajectories)
+    )
 
 
 def _turn(tokenizer, index: int, text: str) -> ModelTurn:
@@ -263,3 +270,35 @@ def test_a_missing_library_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setitem(__import__("sys").modules, "verifiers.v1", None)
     with pytest.raises(ValueError, match=r"asyncrl-train\[verifiers\]"):
         check_target("anything")
+
+
+CONTAINER = """
+import verifiers.v1 as vf
+
+
+class BoxTask(vf.Task[vf.TaskData]):
+    NEEDS_CONTAINER = True
+
+
+class BoxTaskset(vf.Taskset[BoxTask, vf.TasksetConfig]):
+    def load(self):
+        return [BoxTask(vf.TaskData(prompt="1"))]
+
+
+__all__ = ["BoxTaskset"]
+"""
+
+
+def test_the_run_checks_the_target_before_ray_starts(tmp_path: Path, env_files) -> None:
+    from train_app.config import TrainConfig
+    from train_app.tasks.spec import check_task_inputs, task_name, task_options
+
+    config = TrainConfig(env=f"verifiers:{env_files['vf_sum_env']}", max_model_len=96)
+    check_task_inputs(config)
+    assert task_name(config) == "verifiers"
+    options = task_options(config, tmp_path)
+    assert options["target"] == env_files["vf_sum_env"] and options["max_total_tokens"] == 96
+    boxed = tmp_path / "vf_box_env.py"
+    boxed.write_text(textwrap.dedent(CONTAINER))
+    with pytest.raises(ValueError, match="need a container"):
+        check_task_inputs(TrainConfig(env=f"verifiers:{boxed}"))

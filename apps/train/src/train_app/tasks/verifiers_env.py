@@ -42,6 +42,7 @@ from typing import Any, ClassVar
 from rollout_engine import EpisodeConfig, ModelTurn, PromptSample, StepResult, Trajectory
 
 from train_app.tasks.dataset import resolve_template
+from train_app.tasks.rewards import RESERVED_METRICS
 
 __all__ = ["VerifiersEpisode", "VerifiersTask", "check_target", "load_env"]
 
@@ -158,6 +159,12 @@ def _wire(message: Any) -> dict[str, str]:
 
 
 _END = object()
+
+
+def _metric_name(reward: str) -> str:
+    """`reward/<name>`, as `--reward` components are named (never the batch's `reward/mean`)."""
+    name = f"reward/{reward}"
+    return f"reward/component/{reward}" if name in RESERVED_METRICS else name
 
 
 class _Channel:
@@ -328,7 +335,9 @@ class VerifiersEpisode:
         await env.run(task, agents)
         await env.finalize(task, episode)
         owner = self._channel.owner
-        self._reward = sum(t.reward for t in episode.traces if t.agent.name == owner)
+        traces = [t for t in episode.traces if t.agent.name == owner]
+        self._reward = sum(t.reward for t in traces)
+        self._owner.record(traces)
 
     async def _next(self) -> Any:
         """The next model request's messages, or `_END` when the episode has finished."""
@@ -404,6 +413,25 @@ class VerifiersTask:
         if self._tasks == []:
             raise ValueError(f"--env verifiers:{self.target}: the taskset has no tasks")
         self._recent: dict[str, Any] = {}
+        self._sums: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+
+    def record(self, traces: Sequence[Any]) -> None:
+        """Add an episode's rubric (each reward's score, each metric) to `metrics()`."""
+        for trace in traces:
+            named = [(_metric_name(k), r.score) for k, r in trace.rewards.items() if r]
+            named += [(f"verifiers/{k}", v) for k, v in trace.metrics.items() if v is not None]
+            for name, value in named:
+                self._sums[name] = self._sums.get(name, 0.0) + float(value)
+                self._counts[name] = self._counts.get(name, 0) + 1
+
+    def metrics(self) -> dict[str, float]:
+        """Means since the last call: `reward/<name>` per rubric reward (its unweighted
+        score), `verifiers/<name>` per `@vf.metric`."""
+        out = {name: total / self._counts[name] for name, total in self._sums.items()}
+        self._sums.clear()
+        self._counts.clear()
+        return out
 
     def _stream(self, seed: int) -> Iterator[tuple[str, Any]]:
         """(index key, task): a finite taskset reshuffled each epoch by `seed`, or an endless
