@@ -25,6 +25,10 @@ from train_app.tasks.spec import parse_env
 from train_app.tasks.verifiers_env import check_target
 from train_app.tiny_model import build_char_tokenizer
 
+# Measured: 43 s for the module with load average ~20 on 2 shared cores, 34 s of it the first
+# test's `import verifiers.v1`.
+pytestmark = pytest.mark.slow
+
 SINGLE_TURN = """
 import verifiers.v1 as vf
 
