@@ -228,6 +228,7 @@ async def test_right_answers_score_one_and_a_turn_limit_ends_the_exchange(
     assert list(step.observation) == tokenizer.encode("*2=") and not step.done
     last = await env.step(_turn(tokenizer, 1, str(2 * (start + 1))))
     assert last.done and last.reward == pytest.approx(1.0)
+    await env.close()
     # One turn allowed: the env's second turn() gets a terminated segment; the rubric still
     # scores the half-played exchange.
     short = make_task(
@@ -241,6 +242,7 @@ async def test_right_answers_score_one_and_a_turn_limit_ends_the_exchange(
     await env.reset(sample)
     only = await env.step(_turn(tokenizer, 0, str(start + 1)))
     assert only.done and only.reward == pytest.approx(0.5)
+    await env.close()
 
 
 async def test_a_chat_template_renders_turns_incrementally(tmp_path, env_files) -> None:
@@ -258,6 +260,7 @@ async def test_a_chat_template_renders_turns_incrementally(tmp_path, env_files) 
     assert chat.decode(opening) == f"<|user|>{start}+1=<|im_end|><|assistant|>"
     step = await env.step(_turn(chat, 0, str(start + 1)))
     assert chat.decode(list(step.observation)) == "<|user|>*2=<|im_end|><|assistant|>"
+    await env.close()  # mid-exchange: the `Env`'s run is cancelled
 
 
 def test_the_env_flag_names_one_target_and_unknown_ones_list_the_available() -> None:
