@@ -52,8 +52,8 @@ def test_reasoning_gym_example_trains(tmp_path: Path) -> None:
 
 
 def test_verifiers_multi_turn_example_trains(tmp_path: Path) -> None:
-    # Measured: 398 s and 448 s with load average ~20-30 on 2 shared cores (Ray and vLLM start-up and
-    # verifiers' import dominate; two steps of 2 x 2 two-turn episodes are seconds).
+    # Measured: 398 s and 448 s with load average ~20-30 on 2 shared cores (Ray and vLLM
+    # start-up and verifiers' import dominate; two steps of 2 x 2 two-turn episodes are seconds).
     records = _train(
         tmp_path / "vf", "--env", "verifiers:examples/verifiers-multiturn/add_then_double.py"
     )
