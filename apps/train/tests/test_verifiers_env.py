@@ -263,6 +263,28 @@ async def test_a_chat_template_renders_turns_incrementally(tmp_path, env_files) 
     await env.close()  # mid-exchange: the `Env`'s run is cancelled
 
 
+async def test_the_default_tiny_tokenizer_covers_the_environments_text(tmp_path: Path) -> None:
+    """Without `--model`, the tiny tokenizer gets the characters of the tasks' openings
+    (`--system-prompt` included) and answers: the first request has no `<unk>`."""
+    from train_app.config import TrainConfig
+    from train_app.driver.startup import ensure_model
+    from train_app.models import load_tokenizer
+    from train_app.tasks.spec import task_options
+
+    path = tmp_path / "vf_words_env.py"
+    path.write_text(textwrap.dedent(SINGLE_TURN).replace('f"{i}+{i}="', 'f"Sum {i} & {i}."'))
+    config = TrainConfig(env=f"verifiers:{path}", system_prompt="Be brief!")
+    tokenizer = load_tokenizer(ensure_model(config, tmp_path / "run"))
+    task = make_task("verifiers", tokenizer, **task_options(config, tmp_path))
+    for sample in islice(task.prompts(seed=0), 6):
+        env = task.environment(sample)
+        opening = await env.reset(sample)
+        await env.close()
+        assert tokenizer.unk_token_id not in opening
+        assert tokenizer.decode(opening).startswith("Be brief!\nSum ")
+        assert tokenizer.unk_token_id not in tokenizer.encode(sample.answer)
+
+
 def test_the_env_flag_names_one_target_and_unknown_ones_list_the_available() -> None:
     assert parse_env("verifiers:examples/x.py") == ("verifiers", ("examples/x.py",))
     with pytest.raises(ValueError, match="name the environment"):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.util
+import itertools
 import pkgutil
 import random
 import sys
@@ -150,16 +151,19 @@ class _Renderer:
             messages, chat_template=self._template, tokenize=False, add_generation_prompt=generation
         )
 
-    def observation(self, before: list[dict[str, str]], now: list[dict[str, str]]) -> list[int]:
-        """Tokens that take a sequence holding `before` to one that asks for the next turn of
-        `now` (which extends `before`)."""
+    def observation_text(self, before: list[dict[str, str]], now: list[dict[str, str]]) -> str:
+        """The text that takes a sequence holding `before` to one that asks for the next turn
+        of `now` (which extends `before`)."""
         if self._template is None:
             added = [m["content"] for m in now[len(before) :]]
-            text = "\n".join(added) if not before else "".join(added)
-        else:
-            full = self._text(now, generation=True)
-            prior = self._text(before, generation=False) if before else ""
-            text = full[len(prior) :] if full.startswith(prior) else full
+            return "\n".join(added) if not before else "".join(added)
+        full = self._text(now, generation=True)
+        prior = self._text(before, generation=False) if before else ""
+        return full[len(prior) :] if full.startswith(prior) else full
+
+    def observation(self, before: list[dict[str, str]], now: list[dict[str, str]]) -> list[int]:
+        """The tokens of `observation_text(before, now)`."""
+        text = self.observation_text(before, now)
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -476,6 +480,19 @@ class VerifiersTask:
                 answer=str(getattr(task.data, "answer", "") or ""),
                 metadata={"task": key},
             )
+
+    def sample_texts(self, count: int) -> Iterator[str]:
+        """The opening (system prompt and prompt, rendered as the first request's) of the
+        first `count` tasks and their answers: what a tokenizer made for this environment
+        must cover. What an `Env` says during an episode is not known before it runs."""
+        from verifiers.v1.dialects import parse_message
+
+        tasks = self._tasks if self._tasks is not None else iter(self.env.taskset)
+        for task in itertools.islice(tasks, count):
+            opening = _opening(task, self.system_prompt)
+            wire = [_wire(parse_message(m) if isinstance(m, dict) else m) for m in opening]
+            yield self.renderer.observation_text([], wire)
+            yield str(getattr(task.data, "answer", "") or "")
 
     def environment(self, sample: PromptSample) -> VerifiersEpisode:
         key = sample.metadata["task"]
