@@ -16,8 +16,9 @@ the multimodal glue (`train_app.multimodal`).
 
 A task has `prompts(seed)` (a seeded iterator of `rollout_engine.PromptSample` whose
 `prompt_id`s never repeat) and `reward(sample, trajectory) -> float`; optionally
-`environment(sample)` and `episode` (multi-turn), and `metrics()` (extra scalars the rollout
-actor reports, e.g. `reward/<component>`).
+`environment(sample)` and `episode` (multi-turn), `metrics()` (extra scalars the rollout
+actor reports, e.g. `reward/<component>`), and `sample_texts(count)` (its prompts' and
+answers' text, which the default tiny tokenizer then covers: `train_app.tasks.vocabulary`).
 """
 
 from __future__ import annotations
