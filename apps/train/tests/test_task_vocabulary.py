@@ -140,3 +140,25 @@ def test_the_reasoning_gym_example_encodes_without_unk(tmp_path: Path) -> None:
     question = tokenizer.decode(next(iter(task.prompts(0))).prompt_token_ids)
     assert question.startswith("Calculate ")
     assert default.unk_token_id in default.encode(question)  # what the default makes of it
+
+
+class _WordsTask:
+    """A plugin-style task that shows its text (registered by the test, not installed)."""
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer = tokenizer
+
+    def sample_texts(self, count: int):
+        return iter(["Hello, World!", "Yes"][: 2 * count])
+
+
+def test_a_plugin_task_with_sample_texts_gets_its_characters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import train_app.tasks as tasks
+
+    monkeypatch.setitem(tasks.TASKS, "words", _WordsTask)
+    config = TrainConfig(task="words")
+    assert task_characters(config, tmp_path) == "".join(sorted(set("Hello, World!Yes")))
+    tokenizer = load_tokenizer(ensure_model(config, tmp_path))
+    assert tokenizer.unk_token_id not in tokenizer.encode("Hello, World! Yes")
