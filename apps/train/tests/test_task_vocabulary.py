@@ -2,7 +2,8 @@
 (`sample_texts`: `--dataset`, `--env`) gets one token per new character, appended after the
 default vocabulary; the built-in tasks keep the default model byte for byte (their learning
 figures were measured on it); a rebuilt or resumed run gets the same vocabulary. Real
-tokenizers, real `datasets`, real reasoning-gym; no engine."""
+tokenizers, real `datasets`, real reasoning-gym; no engine. Costs about 20 s (mostly
+imports; the reasoning-gym test ~2 s after them)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,15 @@ def test_builtin_tasks_keep_the_default_model(tmp_path: Path, task: str) -> None
     model_dir = ensure_model(config, tmp_path)
     assert AutoTokenizer.from_pretrained(model_dir).get_vocab() == DEFAULT_VOCAB
     assert AutoConfig.from_pretrained(model_dir).vocab_size == len(DEFAULT_VOCAB)
+    assert {name: _sha256(model_dir / name) for name in DEFAULT_SHA256} == DEFAULT_SHA256
+
+
+def test_a_dataset_within_the_default_characters_keeps_the_default_model(tmp_path: Path) -> None:
+    """Example (a), the repeat task as a JSONL file: no new character, the same model as
+    `--task repeat` (whose learning it must match)."""
+    root = Path(__file__).resolve().parents[3] / "examples" / "repeat-jsonl"
+    reward = (f"{root / 'reward.py'}:repeat_reward",)
+    model_dir = ensure_model(TrainConfig(dataset=root / "repeat.jsonl", reward=reward), tmp_path)
     assert {name: _sha256(model_dir / name) for name in DEFAULT_SHA256} == DEFAULT_SHA256
 
 
