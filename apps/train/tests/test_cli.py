@@ -168,6 +168,7 @@ BAD_FLAGS = [
     (["--eval-dataset", "/nonexistent.jsonl"], "--eval-dataset /nonexistent.jsonl: no such file"),
     (["--eval-env", "nope:x"], "--eval-env nope:x: unknown library 'nope'"),
     (["--eval-env", "reasoning-gym:"], "--eval-env reasoning-gym:: name at least one dataset"),
+    (["--eval-env", "verifiers:env.py"], "--eval-env verifiers:env.py: held-out evaluation takes"),
     (["--eval-env", "reasoning-gym:no_such_set"], "--eval-env reasoning-gym: unknown dataset"),
     (["--eval-env", "reasoning-gym:leg_counting", "--eval-n", "4"], "identical responses"),
     ("eval-both", "--eval-dataset and --eval-env are two evaluation sets"),

@@ -139,13 +139,12 @@ class RolloutActor:
     async def _start_engine(self, weights: dict[str, Any] | None, version: int | None) -> Any:
         """The task (its tokenizer, its dataset) and the engine, loaded with `weights` at
         `version` if given (a replacement); returns the task."""
-        from transformers import AutoTokenizer
-
+        from train_app.models import load_tokenizer
         from train_app.multimodal import make_vision_preprocessor
         from train_app.tasks import is_vision_task, make_task
 
         plan = self._plan
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, plan.model_dir)
+        tokenizer = await asyncio.to_thread(load_tokenizer, plan.model_dir)
         # A vision task writes its PNG dataset when built: file work, so off the loop.
         task = await asyncio.to_thread(make_task, plan.task, tokenizer, **plan.task_options)
         self._task_metrics = getattr(task, "metrics", dict)  # e.g. reward/<component>
@@ -499,8 +498,9 @@ class TrainerActor:
     async def _build_trainer(self, init_method: str | None = None) -> None:
         from mm_preprocess import EventLoopLagMonitor
         from ppo_trainer import PPOTrainer
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
+        from train_app.models import load_tokenizer
         from train_app.wiring import RolloutWeightSink
 
         plan = self._plan
@@ -515,7 +515,7 @@ class TrainerActor:
             mm_inputs_fn = VisionInputsFn(plan.model_dir)
         else:
             model = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, plan.model_dir)
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, plan.model_dir)
+        tokenizer = await asyncio.to_thread(load_tokenizer, plan.model_dir)
         import torch
 
         self._device = trainer_device(ray.get_gpu_ids(), torch.cuda.is_available())

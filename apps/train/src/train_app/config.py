@@ -82,7 +82,9 @@ class TrainConfig:
 
     env: str | None = None
     """An environment library instead of `--task`: `reasoning-gym:NAME[,NAME...]` (needs the
-    app's `reasoning-gym` extra; scored by reasoning-gym's own scorer)."""
+    app's `reasoning-gym` extra; scored by reasoning-gym's own scorer), or
+    `verifiers:MODULE|path/to/env.py` (a verifiers environment, single- or multi-turn, scored
+    by its own rubric; needs the `verifiers` extra)."""
 
     eval_dataset: Path | None = None
     """Held-out evaluation set, a local file as `--dataset` takes (same `--prompt-field`,
@@ -400,7 +402,11 @@ def _check_eval(config: TrainConfig) -> None:
             "responses: set --eval-temperature > 0 (e.g. 1.0) for pass@k"
         )
     if config.eval_env is not None:
-        parse_env(config.eval_env, flag="--eval-env")
+        if parse_env(config.eval_env, flag="--eval-env")[0] != "reasoning-gym":
+            raise ValueError(
+                f"--eval-env {config.eval_env}: held-out evaluation takes reasoning-gym:NAME "
+                "or --eval-dataset (a verifiers environment's own eval split is not wired in)"
+            )
         return
     if not Path(config.eval_dataset).exists():  # type: ignore[arg-type]
         raise ValueError(f"--eval-dataset {config.eval_dataset}: no such file or directory")

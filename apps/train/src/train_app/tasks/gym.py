@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from rollout_engine import PromptSample, Trajectory
 
-from train_app.tasks.dataset import format_prompt, resolve_template
+from train_app.tasks.dataset import format_prompt, prompt_text, resolve_template
 
 __all__ = ["ReasoningGymTask", "check_names", "item_index"]
 
@@ -87,6 +87,14 @@ class ReasoningGymTask:
                 metadata={"dataset": name, "item": str(item)},
             )
             index += 1
+
+    def sample_texts(self, count: int) -> Iterator[str]:
+        """The text of `count` questions (the named datasets in turn, as the model reads them)
+        and of their answers: what a tokenizer made for this task must cover."""
+        for index in range(count):
+            entry = self._datasets[self.names[index % len(self.names)]][index]
+            yield prompt_text(self.tokenizer, entry["question"], self._template, self.system_prompt)
+            yield str(entry["answer"])
 
     def reward(self, sample: PromptSample, trajectory: Trajectory) -> float:
         """The dataset's `score_answer` of the decoded response (runs in the reward pool)."""

@@ -17,6 +17,7 @@ from train_app.config import TrainConfig
 
 __all__ = [
     "ENV_LIBRARIES",
+    "VERIFIERS_MAX_TOTAL_TOKENS",
     "check_task_inputs",
     "eval_task",
     "parse_env",
@@ -26,19 +27,29 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ENV_LIBRARIES = ("reasoning-gym",)
+ENV_LIBRARIES = ("reasoning-gym", "verifiers")
 """Environment libraries `--env LIBRARY:NAMES` can use."""
+
+VERIFIERS_MAX_TOTAL_TOKENS = 128
+"""Tokens of one verifiers episode (prompt, turns, observations) without `--max-model-len`:
+the default tiny model's context."""
 
 
 def parse_env(spec: str, flag: str = "--env") -> tuple[str, tuple[str, ...]]:
     """`"reasoning-gym:leg_counting,gcd"` -> `("reasoning-gym", ("leg_counting", "gcd"))`;
+    `"verifiers:path/to/env.py"` -> `("verifiers", ("path/to/env.py",))` (one target);
     `flag` names the option in the error."""
     library, _, rest = spec.partition(":")
-    names = tuple(n.strip() for n in rest.split(",") if n.strip())
     if library not in ENV_LIBRARIES:
         raise ValueError(
             f"{flag} {spec}: unknown library {library!r}; available: {', '.join(ENV_LIBRARIES)}"
         )
+    if library == "verifiers":
+        target = rest.strip()
+        if not target:
+            raise ValueError(f"{flag} {spec}: name the environment, verifiers:MODULE|FILE.py")
+        return library, (target,)
+    names = tuple(n.strip() for n in rest.split(",") if n.strip())
     if not names:
         raise ValueError(f"{flag} {spec}: name at least one dataset, {library}:NAME[,NAME...]")
     return library, names
@@ -78,7 +89,16 @@ def task_options(
             **formatting,
         }
     if config.env is not None:
-        return {"names": parse_env(config.env)[1], "seed": config.seed, **formatting}
+        library, names = parse_env(config.env)
+        if library == "verifiers":
+            return {
+                "target": _absolute_target(names[0]),
+                "seed": config.seed,
+                # An episode (every turn and observation) fits the model's context.
+                "max_total_tokens": config.max_model_len or VERIFIERS_MAX_TOTAL_TOKENS,
+                **formatting,
+            }
+        return {"names": names, "seed": config.seed, **formatting}
     if is_vision_task(config.task):
         return {"image_dir": str(run_dir / "images"), "corrupt_fraction": config.corrupt_images}
     return {}
@@ -111,6 +131,11 @@ def _template(config: TrainConfig) -> str:
     if config.chat_template in ("auto", "none"):
         return config.chat_template
     return str(Path(config.chat_template).resolve())
+
+
+def _absolute_target(target: str) -> str:
+    """A `.py` file target as an absolute path (the rollout actors run elsewhere)."""
+    return str(Path(target).resolve()) if target.endswith(".py") else target
 
 
 def _absolute_reward(spec: str) -> str:
@@ -214,3 +239,7 @@ def _check_env(spec: str) -> None:
         from train_app.tasks.gym import check_names
 
         check_names(names)
+    elif library == "verifiers":
+        from train_app.tasks.verifiers_env import check_target
+
+        check_target(_absolute_target(names[0]))
