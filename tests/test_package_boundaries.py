@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,31 @@ def test_package_is_typed_and_declares_its_api(package: str) -> None:
     assert module.__all__, f"{package} has an empty __all__"
     missing = [name for name in module.__all__ if not hasattr(module, name)]
     assert not missing
+
+
+def _requirement_names(requirements: list[str]) -> set[str]:
+    """The distribution names of PEP 508 requirement strings, normalised."""
+    names = set()
+    for requirement in requirements:
+        name = re.split(r"[\s\[<>=!~;@(]", requirement.strip(), maxsplit=1)[0]
+        names.add(re.sub(r"[-_.]+", "-", name).lower())
+    return names
+
+
+@pytest.mark.parametrize(
+    "project",
+    sorted(p.parent.name for p in ROOT.glob("packages/*/pyproject.toml"))
+    + sorted(f"apps/{p.parent.name}" for p in ROOT.glob("apps/*/pyproject.toml")),
+)
+def test_verl_is_never_a_runtime_dependency(project: str) -> None:
+    """verl is only a test-only dependency (the workspace's dev group): no package or app
+    requires it, in its dependencies or extras, and no package's code imports it."""
+    directory = ROOT / project if project.startswith("apps/") else ROOT / "packages" / project
+    meta = tomllib.loads((directory / "pyproject.toml").read_text())["project"]
+    requirements = list(meta.get("dependencies", []))
+    for extra in meta.get("optional-dependencies", {}).values():
+        requirements += extra
+    assert "verl" not in _requirement_names(requirements)
+    if not project.startswith("apps/"):
+        importers = [f for f in (directory / "src").rglob("*.py") if "verl" in _imported_roots(f)]
+        assert not importers

@@ -11,6 +11,8 @@ from bench_app.cli import main
 from bench_app.e2e_bench import (
     bootstrap_interval,
     compare,
+    eval_args,
+    eval_cost,
     figures_from_records,
     first_reaching,
     overlap_bound,
@@ -217,3 +219,22 @@ def test_quick_e2e_is_one_seed_of_a_few_steps_and_the_default_five_seeds(
     assert Path(report.figures["plot"]).exists() and Path(report.figures["per_run"]).exists()
     assert Path(report.figures["plot"]).parent.parent.resolve() == tmp_path / "runs"
     assert Path(report.figures["plot"]).parent.name.startswith("bench-e2e-")
+
+
+def test_eval_cost_is_the_ratio_of_training_steps_per_second() -> None:
+    plain = figures_from_records("async", 0, _records([0.5] * 20, 0.3, 0.2, 1.0), {})
+    rows = _records([0.5] * 20, 0.3, 0.25, 1.0)  # 10 % slower steps
+    rows.insert(0, {"step": 0, "eval/reward/mean": 0.1, "eval/pass@1": 0.0})  # eval rows
+    rows.append({"step": 20, "eval/reward/mean": 0.4, "eval/pass@1": 0.25})  # are not steps
+    evaluating = figures_from_records("async", 0, rows, {})
+    assert evaluating.steps == 20
+    cost = eval_cost({0: plain}, {0: evaluating}, every=20)
+    assert cost["eval_steps_per_s_ratio"] == pytest.approx(0.5 / 0.55, abs=1e-4)
+    assert cost["eval_cost_met"] and cost["eval_every"] == 20
+    assert eval_args(20)[-2:] == ["--eval-every", "20"]
+    assert Path(eval_args(20)[1]).is_file()
+
+
+def test_only_e2e_takes_eval_every(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["queue", "--eval-every", "20"]) == 2
+    assert "takes no --eval-every" in capsys.readouterr().err

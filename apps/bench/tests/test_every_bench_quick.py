@@ -40,6 +40,11 @@ ENV = {
 # (test_scale_bench.py), and e2e's and study's figures are unit-tested (test_e2e_figures.py,
 # test_study_grid.py) on runs the app's own e2e tests exercise.
 NOT_IN_CI = {"e2e", "study", "trainer", "scale"}
+# Figures a bench's JSON must carry (beyond its name): the queue's comparison with verl's
+# MessageQueue (verl is in the workspace's dev group, so it runs here).
+REQUIRED_FIGURES = {
+    "queue": ("ratio_vs_verl_batched_1k", "ratio_vs_verl_4m", "verl_actor_peak_rss_mb"),
+}
 
 
 def _run_quick(name: str, cwd: Path) -> tuple[int | None, str]:
@@ -74,3 +79,5 @@ def test_bench_runs_in_quick_mode(name: str, tmp_path: Path) -> None:
     last = json.loads(out.strip().splitlines()[-1])
     assert last["bench"] == name
     assert len(last) > 1, last  # figures, not only the name
+    missing = [key for key in REQUIRED_FIGURES.get(name, ()) if key not in last]
+    assert not missing, last

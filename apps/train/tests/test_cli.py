@@ -13,6 +13,8 @@ from train_app import cli
 from train_app import driver as run_module
 from train_app.config import TrainConfig, to_toml
 
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "repeat-jsonl"
+
 
 @pytest.fixture
 def recorded(monkeypatch: pytest.MonkeyPatch) -> list[TrainConfig]:
@@ -97,6 +99,21 @@ def _bad_paths(tmp_path: Path) -> dict[str, list[str]]:
         "resume-no-config": ["--resume", str(not_a_run)],
         "resume-no-config-eq": [f"--resume={not_a_run}"],
         "runs-dir-file": ["--runs-dir", str(a_file)],
+        **_bad_eval(tmp_path),
+    }
+
+
+def _bad_eval(tmp_path: Path) -> dict[str, list[str]]:
+    held_out = tmp_path / "held-out.jsonl"
+    held_out.write_text('{"prompt": "1*2=", "answer": "11"}\n')
+    no_column = tmp_path / "no-column.jsonl"
+    no_column.write_text('{"question": "1*2="}\n')
+    reward = ["--reward", f"{EXAMPLE / 'reward.py'}:repeat_reward"]
+    return {
+        "eval-both": ["--eval-dataset", str(held_out), "--eval-env", "reasoning-gym:gcd"],
+        "eval-no-reward": ["--eval-dataset", str(held_out)],
+        "eval-with-env": ["--env", "reasoning-gym:gcd", "--eval-dataset", str(held_out)],
+        "eval-no-column": ["--eval-dataset", str(no_column), *reward],
     }
 
 
@@ -141,6 +158,23 @@ BAD_FLAGS = [
     ("resume-no-config", "no config.toml there"),
     ("resume-no-config-eq", "no config.toml there"),
     ("runs-dir-file", "is not a directory"),
+    (["--eval-every", "-1"], "--eval-every must be >= 0"),
+    (["--eval-samples", "0"], "--eval-samples must be at least 1"),
+    (["--eval-n", "0"], "--eval-n must be at least 1"),
+    (["--eval-temperature", "-0.5"], "--eval-temperature must be >= 0"),
+    (["--eval-temperature", "nan"], "--eval-temperature must be >= 0"),
+    (["--eval-temperature", "inf"], "--eval-temperature must be >= 0"),
+    (["--eval-every", "5"], "--eval-every needs a held-out set"),
+    (["--eval-dataset", "/nonexistent.jsonl"], "--eval-dataset /nonexistent.jsonl: no such file"),
+    (["--eval-env", "nope:x"], "--eval-env nope:x: unknown library 'nope'"),
+    (["--eval-env", "reasoning-gym:"], "--eval-env reasoning-gym:: name at least one dataset"),
+    (["--eval-env", "verifiers:env.py"], "--eval-env verifiers:env.py: held-out evaluation takes"),
+    (["--eval-env", "reasoning-gym:no_such_set"], "--eval-env reasoning-gym: unknown dataset"),
+    (["--eval-env", "reasoning-gym:leg_counting", "--eval-n", "4"], "identical responses"),
+    ("eval-both", "--eval-dataset and --eval-env are two evaluation sets"),
+    ("eval-no-reward", "--eval-dataset needs --reward"),
+    ("eval-with-env", "--eval-dataset with --env"),
+    ("eval-no-column", "--eval-dataset"),
 ]
 
 
@@ -165,6 +199,41 @@ def test_bad_configuration_exits_2_with_one_line(
     assert lines[0].startswith("bad configuration:") and message in lines[0], lines[0]
     assert "Traceback" not in captured.err + captured.out
     assert recorded == []
+
+
+def test_eval_flags_reach_the_run(tmp_path: Path, recorded: list[TrainConfig]) -> None:
+    held_out = tmp_path / "held-out.jsonl"
+    held_out.write_text('{"prompt": "1*2=", "answer": "11"}\n')
+    argv = ["--eval-dataset", str(held_out), "--reward", f"{EXAMPLE / 'reward.py'}:repeat_reward",
+            "--eval-every", "20", "--eval-samples", "8", "--eval-n", "4",
+            "--eval-temperature", "1.0"]  # fmt: skip
+    assert cli.main(argv) == 0
+    (config,) = recorded
+    assert (config.eval_dataset, config.eval_every, config.eval_samples) == (held_out, 20, 8)
+    assert (config.eval_n, config.eval_temperature, config.evaluates) == (4, 1.0, True)
+    assert "eval_dataset" in to_toml(config)
+    assert not TrainConfig().evaluates and TrainConfig().eval_temperature == 0.0
+
+
+def test_an_eval_set_that_overlaps_training_warns_with_the_count(
+    tmp_path: Path, recorded: list[TrainConfig], caplog: pytest.LogCaptureFixture
+) -> None:
+    training = tmp_path / "train.jsonl"
+    training.write_text("".join(f'{{"prompt": "{d}*2=", "answer": "{d}{d}"}}\n' for d in range(5)))
+    held_out = tmp_path / "held-out.jsonl"
+    held_out.write_text('{"prompt": "3*2="}\n{"prompt": "4*2="}\n{"prompt": "9*9="}\n')
+    reward = f"{EXAMPLE / 'reward.py'}:repeat_reward"
+    argv = ["--dataset", str(training), "--reward", reward, "--eval-dataset", str(held_out)]
+    with caplog.at_level("WARNING"):
+        assert cli.main([*argv, "--steps", "1", "--batch-size", "2"]) == 0
+    (warning,) = [r.getMessage() for r in caplog.records if "held-out" in r.getMessage()]
+    assert "2 of its 3 held-out prompts are also training prompts" in warning
+    caplog.clear()
+    apart = tmp_path / "apart.jsonl"
+    apart.write_text('{"prompt": "9*9="}\n')
+    with caplog.at_level("WARNING"):
+        assert cli.main([*argv[:4], "--eval-dataset", str(apart), "--steps", "1"]) == 0
+    assert not [r for r in caplog.records if "held-out" in r.getMessage()]
 
 
 def test_zero_checkpoint_interval_is_accepted(recorded: list[TrainConfig]) -> None:

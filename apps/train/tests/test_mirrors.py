@@ -102,3 +102,25 @@ def test_no_project_no_mirror_and_missing_wandb_names_the_extra(
     )
     with pytest.raises(ValueError, match="`wandb` extra"):  # before Ray starts
         TrainConfig(wandb_project="p").validate()
+
+
+@pytest.mark.slow  # ~40 s measured on 2 cores at load ~20 (W&B's service start and finish)
+def test_eval_rows_reach_wandb_at_the_latest_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A held-out evaluation's row arrives after later steps' rows; W&B drops a step that
+    goes back, so it is logged at the latest step, its own in `eval/step`."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run-e"
+    run_dir.mkdir()
+    config = TrainConfig(wandb_project="asyncrl-test", runs_dir=tmp_path)
+    writer = MetricsWriter(run_dir, tensorboard=False, mirrors=open_mirrors(config, run_dir))
+    writer.log({"reward/mean": 0.25}, 1)
+    writer.log({"reward/mean": 0.75}, 2)
+    writer.log_eval({"eval/reward/mean": 0.5, "eval/step": 1.0}, 1)
+    writer.close()
+    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    _, history = _history(run_file)
+    assert history[2]["eval/reward/mean"] == 0.5 and history[2]["eval/step"] == 1
+    assert history[2]["reward/mean"] == 0.75 and history[1]["reward/mean"] == 0.25

@@ -85,3 +85,42 @@ def test_cli_exit_code_of_an_interrupted_run(
     assert cli.main(["--runs-dir", str(Path("/nonexistent"))]) == code
     out = capsys.readouterr().out
     assert signal.Signals(signum).name in out and "step 7" in out
+
+
+def test_a_signal_during_a_blocking_call_is_seen_by_it_and_handled_after() -> None:
+    """Ctrl-C while `ray.init` blocks the loop: the call can tell (and not retry), and the
+    run is stopped once it returns, as if the signal had come then."""
+
+    async def main() -> tuple[bool, bool, int | None]:
+        stopper = Stopper(Console(file=io.StringIO()))
+        stopper.install()
+        try:
+            with stopper.around_blocking_call() as signalled:
+                before = signalled()
+                _signal_self(signal.SIGINT)  # the loop cannot run meanwhile
+                during = signalled()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.sleep(5)
+            return before, during, stopper.signum
+        finally:
+            stopper.uninstall()
+
+    assert asyncio.run(main()) == (False, True, signal.SIGINT)
+
+
+def test_a_third_signal_changes_nothing() -> None:
+    async def main() -> bool:
+        stopper = Stopper(Console(file=io.StringIO()))
+        stopper.install()
+        try:
+            for _ in range(2):
+                os.kill(os.getpid(), signal.SIGINT)
+                with pytest.raises(asyncio.CancelledError):
+                    await asyncio.sleep(5)
+            os.kill(os.getpid(), signal.SIGINT)
+            await asyncio.sleep(0.2)  # exiting at once already: not cancelled again
+            return stopper.hard
+        finally:
+            stopper.uninstall()
+
+    assert asyncio.run(main())

@@ -12,9 +12,13 @@ session's other actors (placement only: its code is unchanged).
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -246,44 +250,77 @@ async def test_non_bytes_samples_round_trip(clients: Factory) -> None:
         assert await client.get_sample() == (sample, 0)
 
 
+def _verl_trainer_method(name: str) -> Callable[..., Any]:
+    """verl 0.9.1's own `FullyAsyncTrainer.<name>`, compiled from its installed source.
+
+    The trainer module cannot be imported here (it needs verl's whole training stack,
+    torchdata and more, which the test-only install leaves out), so this takes the method's
+    source from `fully_async_trainer.py` as it is and runs it with the few module globals it
+    reaches: `time` and `ray` (real), `print` (silenced), and `assemble_batch_from_rollout_samples`
+    (the batch builder, which needs verl's DataProto: a stand-in that keeps the samples)."""
+    path = Path(verl_mq.__file__).with_name("fully_async_trainer.py")
+    tree = ast.parse(path.read_text())
+    (cls,) = (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FullyAsyncTrainer")
+    (method,) = (n for n in cls.body if isinstance(n, ast.AsyncFunctionDef) and n.name == name)
+    module = ast.Module(body=[method], type_ignores=[])
+    namespace: dict[str, Any] = {
+        "Any": Any,
+        "time": time,
+        "ray": ray,
+        "print": lambda *args, **kwargs: None,
+        "assemble_batch_from_rollout_samples": _StandInBatch,
+    }
+    exec(compile(module, str(path), "exec"), namespace)  # verl's own code, unchanged
+    return namespace[name]
+
+
+class _StandInBatch:
+    """Stands in for the `DataProto` verl assembles from the unpickled samples."""
+
+    def __init__(self, samples: list[Any], *_args: Any) -> None:
+        self.samples = samples
+        self.meta_info: dict[str, Any] = {}
+
+
+VERL_GET_SAMPLES = _verl_trainer_method("_get_samples_from_queue")
+
+
 async def _trainer_collect(client: Any, required_samples: int) -> tuple[Any, Any]:
-    """A faithful test double of verl 0.9.1's `FullyAsyncTrainer._get_samples_from_queue`
-    (the trainer module cannot be imported here: it needs verl's whole training stack,
-    torchdata and more, which the test-only install leaves out). Same control flow: unpack
-    `sample, queue_len = await client.get_sample()` in a loop, stop on a None sample, and
-    return `(None, None)` when fewer than `required_samples` came; prints left out."""
-    queue_samples = []
-    while len(queue_samples) < required_samples:
-        sample, _queue_len = await client.get_sample()
-        if sample is None:
-            break
-        queue_samples.append(sample)
-    if len(queue_samples) < required_samples:
-        return None, None
-    return 0, queue_samples
+    """Run verl's `_get_samples_from_queue` on a trainer wanting `required_samples`, whose
+    `message_queue_client` is `client`; returns `(epoch, samples)` or verl's `(None, None)`."""
+    trainer = SimpleNamespace(
+        required_samples=required_samples,
+        message_queue_client=client,
+        dynamic_schedule_enabled=False,
+        config=SimpleNamespace(trainer=SimpleNamespace(balance_batch=False)),
+        tokenizer=None,
+        _balance_batch=None,
+        _step_wait_times=[],
+        _step_wait_samples=[],
+    )
+    epoch, batch = await VERL_GET_SAMPLES(trainer)
+    return epoch, (batch if batch is None else batch.samples)
 
 
 async def test_trainer_loop_at_shutdown(clients: Factory) -> None:
-    """The trainer wants 4 samples, the run shuts down after 2: with verl's queue its loop
-    dies on `TypeError` (it unpacks the bare None); with ours it stops cleanly, on
-    `QueueClosed` (the end of stream, which the trainer can catch) or, with `legacy_none`,
-    through its own None check, returning `(None, None)`."""
+    """verl's own trainer loop (`_get_samples_from_queue`) wants 4 samples, the run shuts
+    down after 2: with verl's queue it dies on `TypeError` (it unpacks the bare None); with
+    ours it stops cleanly, on `QueueClosed` (the end of stream, which the trainer can catch)
+    or, with `legacy_none`, through its own None check, returning `(None, None)`. Samples
+    are what verl's rollouter sends: `cloudpickle.dumps` bytes."""
     theirs, ours = await clients()
     legacy = (await clients(8, legacy_none=True))[1]
+    samples = [ray.cloudpickle.dumps({"uid": k}) for k in range(2)]
     for client in (theirs, ours, legacy):
-        await client.put_sample(b"1")
-        await client.put_sample(b"2")
+        for sample in samples:
+            await client.put_sample(sample)
         await client.shutdown()
     with pytest.raises(TypeError, match="cannot unpack non-iterable NoneType"):
         await _trainer_collect(theirs, 4)
     with pytest.raises(QueueClosed):
         await _trainer_collect(ours, 4)
     assert await _trainer_collect(legacy, 4) == (None, None)
-    assert await _trainer_collect(await _filled(clients), 2) == (0, [b"1", b"2"])
-
-
-async def _filled(clients: Factory) -> Any:
-    _, ours = await clients()
-    for sample in (b"1", b"2"):
-        await ours.put_sample(sample)
-    return ours
+    filled = (await clients())[1]
+    for sample in samples:
+        await filled.put_sample(sample)
+    assert await _trainer_collect(filled, 2) == (0, [{"uid": 0}, {"uid": 1}])

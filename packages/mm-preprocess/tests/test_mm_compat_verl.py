@@ -50,6 +50,43 @@ async def test_process_vision_info_matches_qwen_vl_utils_in_every_shape(
             assert got[2:] == want[2:]  # video_kwargs: {"do_sample_frames": False, "fps": []}
 
 
+def _same_videos(actual: list | None, expected: list | None) -> bool:
+    """Equal frames (and equal metadata, for `(video, metadata)` pairs)."""
+    if actual is None or expected is None:
+        return actual is expected
+    pairs = zip(actual, expected, strict=True)
+    if isinstance(expected[0], tuple):
+        return len(actual) == len(expected) and all(
+            bool((a[0] == b[0]).all()) and a[1] == b[1] for a, b in pairs
+        )
+    return len(actual) == len(expected) and all(bool((a == b).all()) for a, b in pairs)
+
+
+async def test_videos_from_frame_files_match_qwen_vl_utils(
+    image_factory: Callable[..., Path],
+) -> None:
+    """A video given as frame files (beside an image): the same frames, metadata and
+    `video_kwargs` as qwen-vl-utils, in each return shape; verl's `(video, metadata)` pairs."""
+    frames = [str(image_factory(224, 168, seed=s)) for s in range(4)]
+    content = [
+        {"type": "video", "video": frames, "sample_fps": 2.0},
+        {"type": "image", "image": frames[0]},
+    ]
+    messages = [{"role": "user", "content": content}]
+    for kwargs in ({}, {"return_video_metadata": True}, {"return_video_kwargs": True}):
+        want = await asyncio.to_thread(qwen_vl_utils.process_vision_info, messages, **kwargs)
+        got = await mm_verl.process_vision_info(messages, **kwargs)
+        assert len(got) == len(want)
+        assert _same_images(got[0], want[0])
+        assert want[1] is not None and _same_videos(got[1], want[1])
+        assert got[2:] == want[2:]
+    _, videos, _ = await mm_verl.process_multi_modal_info(messages, 14)
+    want = await asyncio.to_thread(
+        qwen_vl_utils.process_vision_info, messages, return_video_metadata=True
+    )
+    assert _same_videos(videos, want[1])
+
+
 async def test_process_multi_modal_info_has_verls_shape(
     photos: list[Path], image_message: Callable[..., list]
 ) -> None:

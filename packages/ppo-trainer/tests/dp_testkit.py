@@ -139,3 +139,44 @@ def rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         DataParallel(strategy="ddp").close()
+
+
+def loopback_rank(rank: int, world_size: int, out_dir: str) -> None:
+    """One rank of a group that meets on loopback: rank 0 opens `listen_for_ranks()` and
+    writes its address for the others; rank 0 records its listening sockets once the group
+    is up (`out_dir/listening.json`), then every rank does one all-reduce and one
+    `broadcast_object`."""
+    import json
+    import os
+
+    import psutil
+    from ppo_trainer import DataParallel, listen_for_ranks
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets, as the app sets
+    address_file = Path(out_dir) / "address"
+    sock = None
+    if rank == 0:
+        sock = listen_for_ranks("127.0.0.1")
+        host, port = sock.getsockname()[:2]
+        (Path(out_dir) / "address.tmp").write_text(f"tcp://{host}:{port}")
+        (Path(out_dir) / "address.tmp").rename(address_file)
+    deadline = time.monotonic() + 60
+    while not address_file.exists():
+        assert time.monotonic() < deadline, "rank 0 never wrote its address"
+        time.sleep(0.05)
+    init_method = address_file.read_text()
+    dp = DataParallel.init(
+        rank, world_size, init_method=init_method, timeout_s=60, store_socket=sock
+    )
+    total = dp.all_reduce(torch.tensor([float(rank + 1)]))
+    got = dp.broadcast_object({"from": "rank 0"} if rank == 0 else None)
+    if rank == 0:
+        listening = [
+            [c.laddr.ip, c.laddr.port]
+            for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        ]
+        result = {"listening": listening, "address": init_method, "sum": float(total[0])}
+        (Path(out_dir) / "listening.json").write_text(json.dumps({**result, "got": got}))
+    dp.all_reduce(torch.zeros(1))  # rank 0 has written before anyone leaves
+    dp.close()

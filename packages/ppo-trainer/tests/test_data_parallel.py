@@ -149,3 +149,21 @@ def test_shards_are_group_aligned_contiguous_and_balanced() -> None:
     assert [s.total_rows for s in shards] == [2, 2, 2]
     with pytest.raises(ValueError):
         shard_groups(batch, 2, 2)
+
+
+def test_ranks_meeting_on_loopback_listen_on_loopback_only(tmp_path: Path) -> None:
+    """Rank 0's store serves on the socket `listen_for_ranks` opened on 127.0.0.1 (torch's
+    own store listens on every interface, and the port was picked, released and bound
+    again): after the group is up, rank 0 listens on no other address, at the port it
+    picked. Costs ~15 s on 2 shared cores (two spawned interpreters importing torch)."""
+    import json
+
+    from dp_testkit import loopback_rank
+
+    mp.spawn(loopback_rank, args=(WORLD, str(tmp_path)), nprocs=WORLD, join=True)
+    seen = json.loads((tmp_path / "listening.json").read_text())
+    assert seen["sum"] == 3.0 and seen["got"] == {"from": "rank 0"}
+    assert seen["listening"], seen
+    assert {ip for ip, _ in seen["listening"]} == {"127.0.0.1"}, seen
+    port = int(seen["address"].rsplit(":", 1)[1])
+    assert port in {p for _, p in seen["listening"]}

@@ -207,3 +207,44 @@ def test_verify_needs_no_torch_and_is_fast(tmp_path: Path) -> None:
     assert problem == "None"
     assert float(seconds) < 1.0, out.stdout
     assert time.perf_counter() - started < 30
+
+
+# A short training run with two saves: 24 s measured on the shared 2-core machine under load
+# (a vLLM test alongside).
+@pytest.mark.slow
+async def test_a_save_is_durable_files_then_directory_then_parent_then_latest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Power loss keeps only what was fsynced: every file of a checkpoint (the caller's side
+    file too), then its directory, then (after the rename into place) the checkpoints
+    directory, and again after `latest` is swapped. Recorded by wrapping `os.fsync` (the
+    real one still runs), in the order the calls came."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    root = await _run(tmp_path / "ckpts", model="tiny-a")
+    final = (root / "step_000004").resolve()
+    temporary = [p for p in synced if Path(p).parent.name.startswith(".step_000004.tmp-")]
+    assert temporary, synced
+    tmp_dir = str(Path(temporary[0]).parent)
+    expected = {p.name for p in final.iterdir()} - {"queued.msgpack"}  # (added after)
+    # (the manifest is fsynced under its temporary name, then renamed over the final one)
+    names = {Path(p).name.replace(".manifest.json.tmp", "manifest.json") for p in temporary}
+    assert names == expected
+    assert tmp_dir in synced  # the directory, after its files
+    assert synced.index(tmp_dir) > max(synced.index(p) for p in temporary)
+    after_rename = synced[synced.index(tmp_dir) + 1 :]
+    assert str(root.resolve()) in after_rename  # the rename into place
+    # The side file the caller added, the manifest rewritten after it, the directory again.
+    assert str(final / "queued.msgpack") in after_rename
+    assert after_rename.index(str(final / ".manifest.json.tmp")) > after_rename.index(
+        str(final / "queued.msgpack")
+    )
+    # `latest` moves last, and its directory is fsynced after the swap.
+    assert after_rename[-1] == str(root.resolve())
+    assert (root / "latest").resolve() == final

@@ -15,7 +15,8 @@ import torch
 SCRIPT = Path(__file__).resolve().parents[1] / "gpu_check.sh"
 
 
-# Two Python start-ups with torch: measured 33 s at load 10, 153 s at load 16 (2 cores).
+# Two Python start-ups with torch: measured 33 s at load 10, 153 s at load 16, 222 s at load
+# 18-27 (2 cores).
 @pytest.mark.slow
 def test_gpu_check_script_runs_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -136,3 +137,42 @@ async def test_control_call_on_a_dead_engine_core_raises_instead_of_waiting_fore
     with pytest.raises(RuntimeError, match="EngineDeadError"):
         await asyncio.wait_for(engine.pause("abort"), timeout=5)
     assert time.monotonic() - started < 4 * DEAD_POLL_S
+
+
+class _StandInLLM:
+    """Stands in for vLLM's `AsyncLLM` (scheduling only: no engine is started)."""
+
+    @classmethod
+    def from_engine_args(cls, args: dict) -> _StandInLLM:
+        return cls()
+
+    async def update_weight_version(self, version: str) -> None:
+        pass
+
+
+async def test_create_imports_vllm_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first import of vLLM takes 10-30 s on CPU: `create` makes it in a thread, so the
+    loop keeps running, and counts it in `startup_s` and `import_s`. The import is stood in
+    by a 0.5 s blocking sleep, vLLM's classes by stand-ins (what is tested is the scheduling)."""
+    from rollout_engine import vllm_engine
+
+    def slow_import() -> tuple:
+        time.sleep(0.5)  # blocking, as an import is
+        return (lambda **kwargs: kwargs), _StandInLLM
+
+    monkeypatch.setattr(vllm_engine, "_import_vllm", slow_import)
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    config = VLLMEngineConfig(model="unused", warmup=False, tie_to_host=False)
+    engine = await vllm_engine.VLLMEngine.create(config)
+    ticker.cancel()
+    engine._executor.shutdown()
+    assert ticks >= 10  # ~50 ticks of 10 ms while the import blocked its thread
+    assert 0.5 <= engine.import_s <= engine.startup_s

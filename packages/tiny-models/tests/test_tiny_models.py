@@ -14,7 +14,12 @@ from tiny_models import (
     build_tiny_qwen2,
     build_tiny_qwen3,
 )
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+)
 
 
 def test_tokenizer_has_one_token_per_character_and_round_trips(tmp_path: Path) -> None:
@@ -93,3 +98,19 @@ def test_qwen3_chat_template_and_two_eos_ids(tmp_path: Path) -> None:
     generation = GenerationConfig.from_pretrained(model_dir)
     assert generation.eos_token_id == [im_end, tokenizer.convert_tokens_to_ids("<eos>")]
     assert generation.pad_token_id == tokenizer.pad_token_id != im_end
+
+
+def test_extra_characters_are_appended_sorted_after_the_default_ids(tmp_path: Path) -> None:
+    default = build_char_tokenizer(tmp_path / "default").get_vocab()
+    model_dir = build_tiny_qwen2(tmp_path / "m", extra_characters=["Zoë (x)\n", "3 + y"])
+    # As saved (transformers' AutoTokenizer rebuilds a qwen2 tokenizer as byte-level BPE).
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    vocab = tokenizer.get_vocab()
+    assert {t: vocab[t] for t in default} == default
+    new = sorted(set("Zoë (x)\n3 + y") - set(default))
+    assert [vocab[c] for c in new] == list(range(len(default), len(vocab)))
+    text = "Zoë (3 + x)\n\ny"
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) == len(text) and tokenizer.unk_token_id not in ids
+    assert tokenizer.decode(ids) == text
+    assert AutoModelForCausalLM.from_pretrained(model_dir).config.vocab_size == len(vocab)

@@ -82,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         help="e2e: extra `apps/train` options for every run, e.g. '--pacing eager'",
     )
     parser.add_argument(
+        "--eval-every",
+        type=int,
+        help="e2e: also measure training steps/s with a held-out evaluation every N steps "
+        "against the same async run without (one more run per seed)",
+    )
+    parser.add_argument(
         "--settings",
         default="",
         help="study: comma-separated settings to run (default: the whole grid); "
@@ -110,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "app_args": shlex.split(args.app_args),
         "calibration": args.calibration,
         "grid": [name for name in args.settings.split(",") if name],
+        "eval_every": args.eval_every,
     }
     options = {k: v for k, v in options.items() if v}
     accepted = inspect.signature(module.run).parameters

@@ -24,6 +24,13 @@ many seeds async lost (took longer than sync), and a paired bootstrap interval o
 headline ratio (seeds resampled with replacement, `INTERVAL_LEVEL`). The table has one row
 per seed; `reward_vs_wall.png` one panel per seed. `--quick` is a smoke run: one seed, a few
 steps (no figure from it means anything).
+
+`--eval-every N` adds the cost of held-out evaluation while training: for each seed, one more
+async run with `--eval-every N` on the repeat example's JSONL as the held-out set (scored by
+its reward file), and the ratio of its training steps/s (on the trainer's clock) to the plain
+async run's (`eval_steps_per_s_ratio`, target >= 0.9: evaluation runs beside generation and
+must not stall training). Those runs go to `eval-cost/` of the bench directory, where the
+simulator's calibration does not look. Without the flag nothing changes.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ __all__ = [
     "RunFigures",
     "bootstrap_interval",
     "compare",
+    "eval_args",
+    "eval_cost",
     "figures_from_records",
     "first_reaching",
     "overlap_bound",
@@ -56,6 +65,7 @@ __all__ = [
     "ratio_of_means",
     "run",
     "running_mean",
+    "steps_per_s",
 ]
 
 APP = Path(__file__).resolve().parents[3] / "train"
@@ -77,6 +87,10 @@ BOOTSTRAP_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
 # Panels per row of the plot (five seeds fit one row).
 PLOT_COLUMNS = 5
+# `--eval-every`: the held-out set (the repeat example as a JSONL file and its reward), and
+# the least fraction of the plain async run's training steps/s an evaluating run keeps.
+EVAL_EXAMPLE = APP.parents[1] / "examples" / "repeat-jsonl"
+EVAL_COST_TARGET = 0.9
 # What "async wins" means, on the means over the seeds at default settings.
 TARGETS = {
     "time_to_target_ratio": ("<=", 0.75),
@@ -401,11 +415,44 @@ def _run_app(mode: str, seed: int, steps: int, runs_dir: Path, extra: Sequence[s
     return figures_from_records(mode, seed, records, summary)
 
 
+def eval_args(every: int) -> list[str]:
+    """`apps/train` options of an evaluating run: the repeat example held out, every N."""
+    return [
+        "--eval-dataset", str(EVAL_EXAMPLE / "repeat.jsonl"),
+        "--reward", f"{EVAL_EXAMPLE / 'reward.py'}:repeat_reward",
+        "--eval-every", str(every),
+    ]  # fmt: skip
+
+
+def steps_per_s(run: RunFigures) -> float:
+    return run.steps / run.train_wall_s if run.train_wall_s > 0 else math.nan
+
+
+def eval_cost(
+    plain: dict[int, RunFigures], evaluating: dict[int, RunFigures], every: int
+) -> dict[str, Any]:
+    """Training steps/s of the evaluating runs over the plain async runs', per seed and the
+    mean (the figures `--eval-every` adds)."""
+    seeds = sorted(evaluating)
+    ratios = [steps_per_s(evaluating[s]) / steps_per_s(plain[s]) for s in seeds]
+    ratio = statistics.fmean(ratios)
+    return {
+        "eval_every": every,
+        "eval_steps_per_s_ratio": round(ratio, 4),
+        "eval_steps_per_s_ratio_per_seed": [round(r, 3) for r in ratios],
+        "eval_async_steps_per_s": [round(steps_per_s(plain[s]), 3) for s in seeds],
+        "eval_run_steps_per_s": [round(steps_per_s(evaluating[s]), 3) for s in seeds],
+        "eval_cost_target": f">= {EVAL_COST_TARGET}",
+        "eval_cost_met": ratio >= EVAL_COST_TARGET,
+    }
+
+
 def run(
     quick: bool,
     seeds: int | None = None,
     steps: int | None = None,
     app_args: Sequence[str] = (),
+    eval_every: int | None = None,
 ) -> BenchReport:
     seeds = seeds if seeds is not None else (QUICK_SEEDS if quick else DEFAULT_SEEDS)
     steps = steps if steps is not None else (QUICK_STEPS if quick else DEFAULT_STEPS)
@@ -421,6 +468,20 @@ def run(
             # sync mode forces k = 0, so they have no effect there.
             runs[mode, seed] = _run_app(mode, seed, steps, runs_dir, app_args)
     figures = compare(runs, seed_list)
+    notes = []
+    if eval_every is not None:
+        evaluating = {
+            seed: _run_app(
+                "async", seed, steps, runs_dir / "eval-cost", [*app_args, *eval_args(eval_every)]
+            )
+            for seed in seed_list
+        }
+        figures.update(eval_cost({s: runs["async", s] for s in seed_list}, evaluating, eval_every))
+        notes.append(
+            f"eval cost: training steps/s with a held-out evaluation every {eval_every} steps "
+            f"over the same async run without: {figures['eval_steps_per_s_ratio']} (per seed "
+            f"{figures['eval_steps_per_s_ratio_per_seed']}; target >= {EVAL_COST_TARGET})"
+        )
     figures["plot"] = str(plot(runs, runs_dir / "reward_vs_wall.png"))
     figures["per_run"] = str(_write_per_run(runs, runs_dir / "per_run.json"))
     figures["app_args"] = " ".join(app_args)
@@ -442,6 +503,7 @@ def run(
             "batch, t = s of training and weight push",
             f"every run's figures (phases, idle ratios, start-up): {figures['per_run']}",
             f"plot: {figures['plot']}",
+            *notes,
         ],
     )
 

@@ -161,30 +161,37 @@ def _payloads(case: Case) -> list[bytes]:
 
 def _define_contenders() -> dict[str, Contender]:
     """The producer/consumer actors (defined lazily: importing the module starts no Ray)."""
+    return {
+        "async_queue": _async_queue_contender(),
+        "ray_queue": _ray_queue_contender(),
+        **_verl_contenders(),
+    }
+
+
+def _make_batch(payloads: list[bytes], start: int, count: int) -> list[Any]:
+    from async_queue import QueueItem
+
+    now = time.time()
+    return [
+        QueueItem(payload=payloads[i % len(payloads)], version=0, item_id=str(i), produced_at=now)
+        for i in range(start, start + count)
+    ]
+
+
+async def _put_concurrently(put: Callable[[Any], Any], payload: list[bytes], case: Case) -> None:
+    """`SINGLE_WINDOW` tasks, each putting one item at a time (a rollouter's pattern)."""
+    serials = iter(range(case.items))
+
+    async def task() -> None:
+        for serial in serials:
+            await put(_make_batch(payload, serial, 1)[0])
+
+    await asyncio.gather(*(task() for _ in range(SINGLE_WINDOW)))
+
+
+def _async_queue_contender() -> Contender:
     import ray
     from async_queue import MessageQueueClient, QueueItem
-    from ray.util.queue import Empty, Full, Queue
-
-    def make_batch(payloads: list[bytes], start: int, count: int) -> list[QueueItem]:
-        now = time.time()
-        return [
-            QueueItem(
-                payload=payloads[i % len(payloads)], version=0, item_id=str(i), produced_at=now
-            )
-            for i in range(start, start + count)
-        ]
-
-    async def put_concurrently(
-        put: Callable[[QueueItem], Any], payload: list[bytes], case: Case
-    ) -> None:
-        """`SINGLE_WINDOW` tasks, each putting one item at a time (a rollouter's pattern)."""
-        serials = iter(range(case.items))
-
-        async def task() -> None:
-            for serial in serials:
-                await put(make_batch(payload, serial, 1)[0])
-
-        await asyncio.gather(*(task() for _ in range(SINGLE_WINDOW)))
 
     @ray.remote(num_cpus=0)
     class AsyncQueueProducer:
@@ -195,11 +202,11 @@ def _define_contenders() -> dict[str, Contender]:
             payload = _payloads(case)
             started = time.time()
             if case.batch == 1:
-                await put_concurrently(queue.put, payload, case)
+                await _put_concurrently(queue.put, payload, case)
                 return started
             for start in range(0, case.items, case.batch):
                 await queue.put_many(
-                    make_batch(payload, start, min(case.batch, case.items - start))
+                    _make_batch(payload, start, min(case.batch, case.items - start))
                 )
             return started
 
@@ -213,6 +220,20 @@ def _define_contenders() -> dict[str, Contender]:
                 latencies.extend(now - item.produced_at for item in items)
             return time.time(), latencies
 
+    return Contender(
+        make_queue=lambda case: MessageQueueClient.create(
+            maxsize=case.maxsize, by_ref_owner=case.owner, by_ref_pull=case.pull
+        ),
+        single=(AsyncQueueProducer, AsyncQueueConsumer),
+        batched=(AsyncQueueProducer, AsyncQueueConsumer),
+    )
+
+
+def _ray_queue_contender() -> Contender:
+    import ray
+    from async_queue import QueueItem
+    from ray.util.queue import Empty, Full, Queue
+
     @ray.remote(num_cpus=0)
     class RayQueueAsyncProducer:
         async def warm(self, queue: Queue, item: QueueItem) -> None:
@@ -221,7 +242,7 @@ def _define_contenders() -> dict[str, Contender]:
         async def run(self, queue: Queue, case: Case) -> float:
             payload = _payloads(case)
             started = time.time()
-            await put_concurrently(queue.put_async, payload, case)
+            await _put_concurrently(queue.put_async, payload, case)
             return started
 
     @ray.remote(num_cpus=0)
@@ -233,7 +254,7 @@ def _define_contenders() -> dict[str, Contender]:
             payload = _payloads(case)
             started = time.time()
             for start in range(0, case.items, case.batch):
-                batch = make_batch(payload, start, min(case.batch, case.items - start))
+                batch = _make_batch(payload, start, min(case.batch, case.items - start))
                 while True:
                     try:
                         queue.put_nowait_batch(batch)
@@ -259,22 +280,11 @@ def _define_contenders() -> dict[str, Contender]:
                 latencies.extend(now - item.produced_at for item in items)
             return time.time(), latencies
 
-    contenders = {
-        "async_queue": Contender(
-            make_queue=lambda case: MessageQueueClient.create(
-                maxsize=case.maxsize, by_ref_owner=case.owner, by_ref_pull=case.pull
-            ),
-            single=(AsyncQueueProducer, AsyncQueueConsumer),
-            batched=(AsyncQueueProducer, AsyncQueueConsumer),
-        ),
-        "ray_queue": Contender(
-            make_queue=lambda case: Queue(maxsize=case.maxsize),
-            single=(RayQueueAsyncProducer, RayQueueBatchConsumer),
-            batched=(RayQueueBatchProducer, RayQueueBatchConsumer),
-        ),
-    }
-    contenders.update(_verl_contenders())
-    return contenders
+    return Contender(
+        make_queue=lambda case: Queue(maxsize=case.maxsize),
+        single=(RayQueueAsyncProducer, RayQueueBatchConsumer),
+        batched=(RayQueueBatchProducer, RayQueueBatchConsumer),
+    )
 
 
 def _verl_contenders() -> dict[str, Contender]:
@@ -517,9 +527,12 @@ def run(quick: bool) -> BenchReport:
     temp_dir = None
     if not ray.is_initialized():
         temp_dir = tempfile.mkdtemp(prefix="aqbench", dir="/tmp")
+        # The app's start: retried when a loaded machine makes the raylet miss its window.
+        from train_app.driver.cluster import start_local_ray
+
         try:
-            ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
-        except BaseException:  # e.g. the raylet did not start in time on a loaded machine
+            start_local_ray(2, {"_temp_dir": temp_dir, "log_to_driver": False})
+        except BaseException:
             shutil.rmtree(temp_dir, ignore_errors=True)
             raise
     cases = _cases(quick)

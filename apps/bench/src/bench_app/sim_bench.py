@@ -80,7 +80,6 @@ def _calibration(path: str | None) -> tuple[dict[str, Any], SimConfig, list[dict
 
 def run(quick: bool, steps: int | None = None, calibration: str | None = None) -> BenchReport:
     figures, machine, rows = _calibration(calibration)
-
     speed = simulate(machine.with_(mode="async", steps=1_000 if quick else SPEED_STEPS))
     figures.update(
         {
@@ -98,9 +97,37 @@ def run(quick: bool, steps: int | None = None, calibration: str | None = None) -
             "cpu s": round(speed.cpu_s, 2),
         }
     )
+    rows += _gpu_scale(figures, steps or (40 if quick else None))
+    worst = max(
+        figures.get("calibration_rel_error_sync", 0.0),
+        figures.get("calibration_rel_error_async", 0.0),
+    )
+    cpu_ok = speed.steps < SPEED_STEPS or speed.cpu_s <= TARGETS["cpu_s"][1]
+    met = {"calibration_rel_error": worst <= TARGETS["calibration_rel_error"][1], "cpu_s": cpu_ok}
+    figures["targets"] = {k: f"{op} {bound}" for k, (op, bound) in TARGETS.items()}
+    figures["met_by_key"] = met
+    figures["met"] = all(met.values())
+    return BenchReport(
+        title="sim: calibration on this machine, speed, and 64:64 GPUs at 7B",
+        rows=rows,
+        figures=figures,
+        notes=[
+            f"calibration: {figures['calibration_source']}",
+            "speedups are seconds per weight version of the baseline over the async variant's",
+            f"verl's published speedup {VERL_PUBLISHED[0]}-{VERL_PUBLISHED[1]}x is against its "
+            f"colocated sync on 128 GPUs, whose training phase ran {VERL_COLOCATED_SPEEDUP}x "
+            "as fast as its 64-GPU async trainer (not 2x), with a 28k tail: "
+            f"speedup_verl_setting reproduces that setting ({figures['speedup_verl_setting']}x)",
+            f"plot: {figures['plot']}",
+        ],
+    )
 
+
+def _gpu_scale(figures: dict[str, Any], steps: int | None) -> list[dict[str, Any]]:
+    """The 64:64 GPU preset at 7B, its variants and verl's setting: adds their figures
+    (and the plot) to `figures`, returns their table rows. `steps` None: the preset's."""
     preset = load_preset("gpu-7b-64x64")
-    gpu = preset.config.with_(steps=steps or (40 if quick else preset.config.steps))
+    gpu = preset.config.with_(steps=steps or preset.config.steps)
     variants = (
         *DEFAULT_VARIANTS,
         Variant(
@@ -146,31 +173,7 @@ def run(quick: bool, steps: int | None = None, calibration: str | None = None) -
         for v, r in results
     }
     keep = ("variant", "s / version", "staleness mean", "dropped", "trainer idle", "rollout idle")
-    rows += [{"part": "gpu", **{k: row[k] for k in keep}} for row in table_rows(results)]
-
-    worst = max(
-        figures.get("calibration_rel_error_sync", 0.0),
-        figures.get("calibration_rel_error_async", 0.0),
-    )
-    cpu_ok = speed.steps < SPEED_STEPS or speed.cpu_s <= TARGETS["cpu_s"][1]
-    met = {"calibration_rel_error": worst <= TARGETS["calibration_rel_error"][1], "cpu_s": cpu_ok}
-    figures["targets"] = {k: f"{op} {bound}" for k, (op, bound) in TARGETS.items()}
-    figures["met_by_key"] = met
-    figures["met"] = all(met.values())
-    return BenchReport(
-        title="sim: calibration on this machine, speed, and 64:64 GPUs at 7B",
-        rows=rows,
-        figures=figures,
-        notes=[
-            f"calibration: {figures['calibration_source']}",
-            "speedups are seconds per weight version of the baseline over the async variant's",
-            f"verl's published speedup {VERL_PUBLISHED[0]}-{VERL_PUBLISHED[1]}x is against its "
-            f"colocated sync on 128 GPUs, whose training phase ran {VERL_COLOCATED_SPEEDUP}x "
-            "as fast as its 64-GPU async trainer (not 2x), with a 28k tail: "
-            f"speedup_verl_setting reproduces that setting ({figures['speedup_verl_setting']}x)",
-            f"plot: {figures['plot']}",
-        ],
-    )
+    return [{"part": "gpu", **{k: row[k] for k in keep}} for row in table_rows(results)]
 
 
 def _max_tokens(config: SimConfig, max_tokens: int) -> Any:

@@ -327,8 +327,18 @@ def _data_parallel_rows(quick: bool) -> tuple[list[dict[str, Any]], dict[str, An
     return rows, figures
 
 
-def run(quick: bool) -> BenchReport:
-    setup = QUICK if quick else FULL
+@dataclass(frozen=True)
+class _Rounds:
+    """Wall seconds of each alternating round of both loops over the same batches."""
+
+    tokens: int  # non-padding tokens of the timed batches
+    params: int
+    trainer_walls: list[float]
+    minimal_walls: list[float]
+    trainer_metric: list[float]  # the trainer's own tokens/s metric, per round
+
+
+def _time_rounds(setup: _Setup) -> _Rounds:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a shared 2-core machine: one intra-op thread for both sides
     try:
@@ -339,25 +349,35 @@ def run(quick: bool) -> BenchReport:
             groups[i : i + setup.groups_per_step]
             for i in range(setup.groups_per_step, len(groups), setup.groups_per_step)
         ]
-        tokens = sum(_tokens(b) for b in batches)
-        trainer_walls: list[float] = []
-        minimal_walls: list[float] = []
-        trainer_metric: list[float] = []
+        rounds = _Rounds(
+            tokens=sum(_tokens(b) for b in batches),
+            params=sum(p.numel() for p in base.parameters()),
+            trainer_walls=[],
+            minimal_walls=[],
+            trainer_metric=[],
+        )
         for _ in range(setup.rounds):
             torch.manual_seed(1)
-            minimal_walls.append(_time_minimal(base, batches, warmup))
+            rounds.minimal_walls.append(_time_minimal(base, batches, warmup))
             torch.manual_seed(1)
             wall, metric = _time_trainer(base, batches, warmup, setup.groups_per_step)
-            trainer_walls.append(wall)
-            trainer_metric.append(metric)
+            rounds.trainer_walls.append(wall)
+            rounds.trainer_metric.append(metric)
     finally:
         torch.set_num_threads(threads)
+    return rounds
 
+
+def run(quick: bool) -> BenchReport:
+    setup = QUICK if quick else FULL
+    timed = _time_rounds(setup)
+    tokens, params = timed.tokens, timed.params
+    trainer_walls, minimal_walls = timed.trainer_walls, timed.minimal_walls
     trainer_tps = tokens / min(trainer_walls)
     minimal_tps = tokens / min(minimal_walls)
     ratio = trainer_tps / minimal_tps
     median_ratio = statistics.median(minimal_walls) / statistics.median(trainer_walls)
-    params = sum(p.numel() for p in base.parameters())
+    trainer_metric = timed.trainer_metric
     dp_rows, dp_figures = _data_parallel_rows(quick)
     rows = [
         {

@@ -257,22 +257,36 @@ def run(quick: bool) -> BenchReport:
 
     results: dict[str, list[PhaseResult]] = outcome["results"]
     outcome["parallel_capacity"] = statistics.mean([capacity_before, capacity_after])
-    rows = []
-    for mode, phases in results.items():
-        for index, phase in enumerate(phases):
-            rows.append(
-                {
-                    "phase": f"{mode} #{index}",
-                    "img/s": phase.images_per_s,
-                    "cores": phase.cores_used,
-                    "cpu ms/img": phase.cpu_ms_per_image,
-                    "lag p50 ms": phase.p50_ms,
-                    "lag p99 ms": phase.p99_ms,
-                    "lag max ms": phase.max_ms,
-                }
-            )
+    loads = [load_before, load_after]
+    figures = _figures(quick, side, outcome, _summary(results), gil_free, loads)
+    return BenchReport(
+        title=f"vision: {COROUTINES} coroutines x {IMAGES_PER_MESSAGE} {side}px PNGs, "
+        "loop lag and images/s (median of repeats)",
+        rows=_phase_rows(results),
+        figures=figures,
+        notes=_notes(figures),
+    )
 
-    summary = {
+
+def _phase_rows(results: dict[str, list[PhaseResult]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "phase": f"{mode} #{index}",
+            "img/s": phase.images_per_s,
+            "cores": phase.cores_used,
+            "cpu ms/img": phase.cpu_ms_per_image,
+            "lag p50 ms": phase.p50_ms,
+            "lag p99 ms": phase.p99_ms,
+            "lag max ms": phase.max_ms,
+        }
+        for mode, phases in results.items()
+        for index, phase in enumerate(phases)
+    ]
+
+
+def _summary(results: dict[str, list[PhaseResult]]) -> dict[str, dict[str, float]]:
+    """Per mode, the median of its phases' figures."""
+    return {
         mode: {
             "images_per_s": _median(phases, "images_per_s"),
             "cores_used": _median(phases, "cores_used"),
@@ -283,15 +297,24 @@ def run(quick: bool) -> BenchReport:
         }
         for mode, phases in results.items()
     }
+
+
+def _figures(
+    quick: bool,
+    side: int,
+    outcome: dict[str, Any],
+    summary: dict[str, dict[str, float]],
+    gil_free: float,
+    loads: list[float],
+) -> dict[str, Any]:
+    """`loads`: the 1-minute load average before and after the run."""
     inline, offloaded = summary["inline"], summary["offloaded"]
-    workers = outcome["workers"]
-    amdahl = 1.0 / ((1.0 - gil_free) + gil_free / workers)
     lag_ratio = offloaded["lag_ms_p99"] / max(inline["lag_ms_p99"], 1e-9)
     speedup = offloaded["images_per_s"] / inline["images_per_s"]
     p99_met = offloaded["lag_ms_p99"] <= TARGET_P99_MS
     ratio_met = lag_ratio <= TARGET_LAG_RATIO
     speedup_met = speedup >= TARGET_SPEEDUP
-    figures: dict[str, Any] = {
+    return {
         "inline": inline,
         "offloaded": offloaded,
         "offloaded_1_worker": summary["offloaded_1w"],
@@ -312,44 +335,42 @@ def run(quick: bool) -> BenchReport:
         "repeats": outcome["repeats"],
         "parallel_capacity": outcome["parallel_capacity"],
         "gil_free_fraction": gil_free,
-        "amdahl_speedup_bound": amdahl,
+        "amdahl_speedup_bound": 1.0 / ((1.0 - gil_free) + gil_free / outcome["workers"]),
         "cpu_count": os.cpu_count(),
-        "loadavg_1m": [load_before, load_after],
+        "loadavg_1m": loads,
         "quick": quick,
     }
+
+
+def _notes(figures: dict[str, Any]) -> list[str]:
+    inline, offloaded = figures["inline"], figures["offloaded"]
+    speedup, capacity = figures["speedup"], figures["parallel_capacity"]
+    load_before, load_after = figures["loadavg_1m"]
+    gil_free = figures["gil_free_fraction"]
     notes = [
         f"offloaded p99 lag {offloaded['lag_ms_p99']:.1f} ms (target <= {TARGET_P99_MS:g}); "
-        f"{lag_ratio:.3f} of inline p99 (target <= {TARGET_LAG_RATIO:g})",
+        f"{figures['lag_p99_ratio']:.3f} of inline p99 (target <= {TARGET_LAG_RATIO:g})",
         f"throughput {speedup:.2f}x inline (target >= {TARGET_SPEEDUP:g}x; "
         f"1 worker: {figures['speedup_1_worker']:.2f}x)",
-        f"parallel capacity of this machine during the run: {outcome['parallel_capacity']:.2f}x "
+        f"parallel capacity of this machine during the run: {capacity:.2f}x "
         f"on 2 threads (GIL-free sha256); 1-min load average {load_before:.1f} -> "
         f"{load_after:.1f} on {os.cpu_count()} cores",
-    ]
-    notes.append(
         f"{100 * gil_free:.1f}% of a job runs without the GIL (decode, convert, resize, reads): "
-        f"at most {amdahl:.2f}x on {workers} free cores (Amdahl)"
-    )
-    notes.append(
+        f"at most {figures['amdahl_speedup_bound']:.2f}x on {figures['max_workers']} free cores "
+        "(Amdahl)",
         f"cores used: inline {inline['cores_used']:.2f}, offloaded {offloaded['cores_used']:.2f}; "
         f"CPU per image: inline {inline['cpu_ms_per_image']:.1f} ms, offloaded "
-        f"{offloaded['cpu_ms_per_image']:.1f} ms"
-    )
-    if not speedup_met:
+        f"{offloaded['cpu_ms_per_image']:.1f} ms",
+    ]
+    if not figures["speedup_met"]:
         notes.append(
             f"speed-up target missed by {TARGET_SPEEDUP - speedup:.2f}x: offloading gains only "
-            f"what a second core gives (capacity {outcome['parallel_capacity']:.2f}x, offloaded "
+            f"what a second core gives (capacity {capacity:.2f}x, offloaded "
             f"phase got {offloaded['cores_used']:.2f} cores)"
         )
-    if not p99_met:
+    if not figures["p99_met"]:
         notes.append(
             f"p99 target missed by {offloaded['lag_ms_p99'] - TARGET_P99_MS:.1f} ms: with the "
             "CPUs oversubscribed the loop thread waits for a core, not for the GIL"
         )
-    return BenchReport(
-        title=f"vision: {COROUTINES} coroutines x {IMAGES_PER_MESSAGE} {side}px PNGs, "
-        "loop lag and images/s (median of repeats)",
-        rows=rows,
-        figures=figures,
-        notes=notes,
-    )
+    return notes

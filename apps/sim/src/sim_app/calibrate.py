@@ -13,7 +13,7 @@ A bench run directory (`runs/bench-e2e-*/`) holds `{sync,async}-seed{N}/` with `
   a sync step computes); `export_s` from `weights/sync_s` of sync runs; the per-step overhead
   (`trainer/wall_s` increments minus step, wait and sync) per mode.
 - Weight push: `weights/push_s` (background push) or `weights/sync_s` (inline push, older
-  runs) of the sync runs; the engine's share of it is the load measured in design.md (0.07 s);
+  runs) of the sync runs; the engine's share of it is the measured load (`ENGINE_LOAD_S`, 0.07 s);
   `pause_s` (keep) is what async pushes take beyond sync ones.
 - Decode: least squares `trainer/wait_s ~ R` on the sync runs: each running sequence costs the
   slope per decode iteration (`per_seq_s`), the intercept (less the push, which a sync step
@@ -65,7 +65,8 @@ __all__ = [
     "write_bench_dir",
 ]
 
-# design.md (measured 2026-12-02): pause + reload + reset + resume of a ~100k-parameter model.
+# Measured on this project's CPU machine: pause + reload + reset + resume of a ~100k-parameter
+# model.
 ENGINE_LOAD_S = 0.07
 RESUME_S = 0.003
 # task -> (prompt tokens, shortest and longest answer + EOS). "repeat": prompt `d*k=`; the
@@ -243,36 +244,126 @@ def fit(runs: Sequence[MeasuredRun], source: str = "", correct: bool = True) -> 
     config = sync[0].config
     prompt_tokens, _, _ = _task_lengths(config)
     lengths, curve = _length_model(runs)
-    max_tokens = lengths.max_tokens
     background = sync[0].background_push
-
-    # Trainer, from the sync steps (the first step waits for the engines; skip it).
-    rows = [(r.tokens(rec), rec) for r in sync for rec in r.records[1:] if r.tokens(rec) > 0]
-    step_a, step_b = _regress(
-        [t for t, _ in rows], [float(rec["trainer/step_s"]) for _, rec in rows]
-    )
-    predicted = [step_a + step_b * t for t, _ in rows]
-    residual = [
-        float(rec["trainer/step_s"]) - p for (_, rec), p in zip(rows, predicted, strict=True)
-    ]
-    jitter = min(0.5, statistics.pstdev(residual) / _mean(predicted, 1.0)) if residual else 0.0
-    sync_s = _mean([float(rec.get("weights/sync_s", 0.0)) for _, rec in rows])
-    if background:
-        push = _mean([float(rec["weights/push_s"]) for _, rec in rows if "weights/push_s" in rec])
-        export = sync_s
-    else:
-        push, export = sync_s, 0.0
-    load = min(ENGINE_LOAD_S, 0.8 * push)
-    resume = min(RESUME_S, 0.1 * push)
-    transfer = max(0.0, push - load - resume)
-    keep_pause = 0.0
-    if asyn:
-        key = "weights/push_s" if asyn[0].background_push else "weights/sync_s"
-        async_push = _mean([float(rec[key]) for r in asyn for rec in r.records[1:] if key in rec])
-        keep_pause = max(0.0, async_push - push)
+    steps = _StepFit.of(sync)
+    push = _PushFit.of(steps.rows, asyn, background)
     overhead = max(0.0, _mean([x for r in runs for x in _residuals(r)]))
+    waits, decode = _fit_decode(sync, config, prompt_tokens, lengths.max_tokens, push, background)
+    trainer = TrainerModel(
+        step_s=steps.step_a,
+        per_token_s=steps.step_b,
+        export_s=push.export,
+        push_s=push.transfer,
+        overhead_s=overhead,
+        background_push=background,
+        jitter=steps.jitter,
+    )
+    base = _base_config(sync[0], prompt_tokens, decode, trainer, lengths, source)
+    if correct:
+        base = _corrected(base, waits, push.push if background else 0.0)
+    trainer_factor, engine_factor = _async_factors(sync, asyn, steps)
+    base = base.with_(
+        contention=Contention(
+            async_trainer_factor=round(trainer_factor, 4),
+            async_engine_factor=round(engine_factor, 4),
+        )
+    )
+    figures = {
+        "trainer_step_s": round(steps.step_a, 6),
+        "trainer_per_token_s": steps.step_b,
+        "trainer_jitter": round(steps.jitter, 4),
+        "export_s": round(push.export, 5),
+        "push_s": round(push.push, 5),
+        "keep_pause_s": round(push.keep_pause, 5),
+        "decode_iteration_s": base.decode.iteration_s,
+        "decode_per_seq_s": base.decode.per_seq_s,
+        "overhead_s": round(overhead, 5),
+        "async_trainer_factor": round(trainer_factor, 4),
+        "async_engine_factor": round(engine_factor, 4),
+        "background_push": background,
+        "response_length_curve": curve[:: max(1, len(curve) // 12)],
+    }
+    return Calibration(source=source, base=base, figures=figures)
 
-    # Decode, from the sync waits against the response tokens of the batch they waited for.
+
+@dataclass(frozen=True)
+class _StepFit:
+    """The trainer's step time `step_a + step_b * tokens`, from the sync steps (the first
+    step waits for the engines; skipped), and its relative jitter."""
+
+    rows: list[tuple[float, dict[str, Any]]]  # (tokens, record) of the steps fitted
+    step_a: float
+    step_b: float
+    jitter: float
+
+    @classmethod
+    def of(cls, sync: Sequence[MeasuredRun]) -> _StepFit:
+        rows = [(r.tokens(rec), rec) for r in sync for rec in r.records[1:] if r.tokens(rec) > 0]
+        step_a, step_b = _regress(
+            [t for t, _ in rows], [float(rec["trainer/step_s"]) for _, rec in rows]
+        )
+        predicted = [step_a + step_b * t for t, _ in rows]
+        residual = [
+            float(rec["trainer/step_s"]) - p for (_, rec), p in zip(rows, predicted, strict=True)
+        ]
+        jitter = min(0.5, statistics.pstdev(residual) / _mean(predicted, 1.0)) if residual else 0.0
+        return cls(rows=rows, step_a=step_a, step_b=step_b, jitter=jitter)
+
+
+@dataclass(frozen=True)
+class _PushFit:
+    """A weight push split into export, transfer, engine load and resume; `keep_pause` is
+    what an async run's push took beyond a sync one's."""
+
+    push: float
+    export: float
+    load: float
+    resume: float
+    transfer: float
+    keep_pause: float
+
+    @classmethod
+    def of(
+        cls,
+        rows: Sequence[tuple[float, dict[str, Any]]],
+        asyn: Sequence[MeasuredRun],
+        background: bool,
+    ) -> _PushFit:
+        sync_s = _mean([float(rec.get("weights/sync_s", 0.0)) for _, rec in rows])
+        if background:
+            pushes = [float(rec["weights/push_s"]) for _, rec in rows if "weights/push_s" in rec]
+            push, export = _mean(pushes), sync_s
+        else:
+            push, export = sync_s, 0.0
+        load = min(ENGINE_LOAD_S, 0.8 * push)
+        resume = min(RESUME_S, 0.1 * push)
+        keep_pause = 0.0
+        if asyn:
+            key = "weights/push_s" if asyn[0].background_push else "weights/sync_s"
+            async_push = _mean(
+                [float(rec[key]) for r in asyn for rec in r.records[1:] if key in rec]
+            )
+            keep_pause = max(0.0, async_push - push)
+        return cls(
+            push=push,
+            export=export,
+            load=load,
+            resume=resume,
+            transfer=max(0.0, push - load - resume),
+            keep_pause=keep_pause,
+        )
+
+
+def _fit_decode(
+    sync: Sequence[MeasuredRun],
+    config: dict[str, Any],
+    prompt_tokens: int,
+    max_tokens: int,
+    push: _PushFit,
+    background: bool,
+) -> tuple[list[float], DecodeModel]:
+    """The decode model, from the sync waits against the response tokens of the batch they
+    waited for; also returns those waits."""
     waits, responses = [], []
     for r in sync:
         for rec in r.records[1:]:
@@ -281,30 +372,34 @@ def fit(runs: Sequence[MeasuredRun], source: str = "", correct: bool = True) -> 
                 responses.append(tokens - prompt_tokens * samples)
                 waits.append(float(rec.get("trainer/wait_s", 0.0)))
     wait_a, wait_b = _regress(responses, waits)
-    generation_fixed = max(1e-4 * max_tokens, wait_a - (push if background else 0.0))
+    generation_fixed = max(1e-4 * max_tokens, wait_a - (push.push if background else 0.0))
     decode = DecodeModel(
         iteration_s=generation_fixed / max_tokens,
         per_seq_s=wait_b,
-        pause_s=keep_pause,
-        load_s=load,
-        resume_s=resume,
+        pause_s=push.keep_pause,
+        load_s=push.load,
+        resume_s=push.resume,
         max_num_seqs=max(
             64, int(config.get("max_concurrency", 16)) * int(config.get("group_size", 8))
         ),
     )
-    trainer = TrainerModel(
-        step_s=step_a,
-        per_token_s=step_b,
-        export_s=export,
-        push_s=transfer,
-        overhead_s=overhead,
-        background_push=background,
-        jitter=jitter,
-    )
-    base = SimConfig(
+    return waits, decode
+
+
+def _base_config(
+    run: MeasuredRun,
+    prompt_tokens: int,
+    decode: DecodeModel,
+    trainer: TrainerModel,
+    lengths: LengthModel,
+    source: str,
+) -> SimConfig:
+    """A sync `SimConfig` of `run`'s settings with the fitted models."""
+    config = run.config
+    return SimConfig(
         mode="sync",
-        steps=sync[0].steps,
-        seed=sync[0].seed,
+        steps=run.steps,
+        seed=run.seed,
         batch_size=int(config.get("batch_size", 16)),
         group_size=int(config.get("group_size", 8)),
         max_concurrency=int(config.get("max_concurrency", 16)),
@@ -322,54 +417,47 @@ def fit(runs: Sequence[MeasuredRun], source: str = "", correct: bool = True) -> 
         contention=Contention(),
         source=source,
     )
-    if correct:  # one pass: the simulated sync wait must match the measured one
-        measured_wait = _mean(waits)
-        result = simulate(base.with_(steps=min(base.steps, 120)))
-        simulated_wait = _mean([float(r["trainer/wait_s"]) for r in result.records[1:]])
-        if simulated_wait > 0 and measured_wait > 0:
-            generation_measured = measured_wait - (push if background else 0.0)
-            generation_simulated = simulated_wait - (push if background else 0.0)
-            if generation_measured > 0 and generation_simulated > 0:
-                ratio = generation_measured / generation_simulated
-                decode = replace(
-                    decode,
-                    iteration_s=decode.iteration_s * ratio,
-                    per_seq_s=decode.per_seq_s * ratio,
-                )
-                base = base.with_(decode=decode)
-    trainer_factor = engine_factor = 1.0
-    if asyn:
-        rows_async = [(r.tokens(rec), rec) for r in asyn for rec in r.records[1:]]
-        model_steps = _mean([step_a + step_b * t for t, _ in rows_async if t > 0])
-        measured_steps = _mean([float(rec["trainer/step_s"]) for _, rec in rows_async])
-        if model_steps > 0 and measured_steps > 0:
-            trainer_factor = measured_steps / model_steps
-        busy_async = _mean([_busy_per_step(r) for r in asyn], math.nan)
-        busy_sync = _mean([_busy_per_step(r) for r in sync], math.nan)
-        if math.isfinite(busy_async) and math.isfinite(busy_sync) and busy_sync > 0:
-            engine_factor = min(3.0, max(1.0, busy_async / busy_sync))
-    base = base.with_(
-        contention=Contention(
-            async_trainer_factor=round(trainer_factor, 4),
-            async_engine_factor=round(engine_factor, 4),
-        )
+
+
+def _corrected(base: SimConfig, waits: Sequence[float], push_in_wait: float) -> SimConfig:
+    """One pass: scale the decode model so the simulated sync wait matches the measured
+    one (`push_in_wait`: the part of a wait that is the background push, not generation)."""
+    measured_wait = _mean(waits)
+    result = simulate(base.with_(steps=min(base.steps, 120)))
+    simulated_wait = _mean([float(r["trainer/wait_s"]) for r in result.records[1:]])
+    if simulated_wait <= 0 or measured_wait <= 0:
+        return base
+    generation_measured = measured_wait - push_in_wait
+    generation_simulated = simulated_wait - push_in_wait
+    if generation_measured <= 0 or generation_simulated <= 0:
+        return base
+    ratio = generation_measured / generation_simulated
+    decode = replace(
+        base.decode,
+        iteration_s=base.decode.iteration_s * ratio,
+        per_seq_s=base.decode.per_seq_s * ratio,
     )
-    figures = {
-        "trainer_step_s": round(step_a, 6),
-        "trainer_per_token_s": step_b,
-        "trainer_jitter": round(jitter, 4),
-        "export_s": round(export, 5),
-        "push_s": round(push, 5),
-        "keep_pause_s": round(keep_pause, 5),
-        "decode_iteration_s": base.decode.iteration_s,
-        "decode_per_seq_s": base.decode.per_seq_s,
-        "overhead_s": round(overhead, 5),
-        "async_trainer_factor": round(trainer_factor, 4),
-        "async_engine_factor": round(engine_factor, 4),
-        "background_push": background,
-        "response_length_curve": curve[:: max(1, len(curve) // 12)],
-    }
-    return Calibration(source=source, base=base, figures=figures)
+    return base.with_(decode=decode)
+
+
+def _async_factors(
+    sync: Sequence[MeasuredRun], asyn: Sequence[MeasuredRun], steps: _StepFit
+) -> tuple[float, float]:
+    """How much slower the trainer's steps and the engines' work are in the async runs
+    (the two share the machine) than the sync fit predicts; 1.0 without async runs."""
+    trainer_factor = engine_factor = 1.0
+    if not asyn:
+        return trainer_factor, engine_factor
+    rows_async = [(r.tokens(rec), rec) for r in asyn for rec in r.records[1:]]
+    model_steps = _mean([steps.step_a + steps.step_b * t for t, _ in rows_async if t > 0])
+    measured_steps = _mean([float(rec["trainer/step_s"]) for _, rec in rows_async])
+    if model_steps > 0 and measured_steps > 0:
+        trainer_factor = measured_steps / model_steps
+    busy_async = _mean([_busy_per_step(r) for r in asyn], math.nan)
+    busy_sync = _mean([_busy_per_step(r) for r in sync], math.nan)
+    if math.isfinite(busy_async) and math.isfinite(busy_sync) and busy_sync > 0:
+        engine_factor = min(3.0, max(1.0, busy_async / busy_sync))
+    return trainer_factor, engine_factor
 
 
 @dataclass(frozen=True)

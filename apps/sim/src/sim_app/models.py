@@ -63,10 +63,6 @@ class DecodeModel:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
 
-    def iteration_time(self, running: int, context_tokens: float) -> float:
-        """Seconds of one decode iteration with `running` sequences."""
-        return self.iteration_s + self.per_seq_s * running + self.per_ctx_token_s * context_tokens
-
     def prefill_time(self, tokens: float) -> float:
         return self.prefill_s + self.prefill_per_token_s * tokens
 

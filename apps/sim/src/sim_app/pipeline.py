@@ -32,7 +32,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -297,100 +297,15 @@ async def simulate_async(config: SimConfig, *, keep_events: int = 0) -> SimResul
     cpu_started = time.process_time()
     loop = asyncio.get_running_loop()
     trace = Trace(keep=keep_events)
-    k = config.effective_staleness
-    replicas = config.effective_replicas
-    simulated = min(config.simulate_replicas or replicas, replicas)
-    colocate = config.mode == "colocate"
-    batch_size, sync_every = config.batch_size, config.sync_every
-    if colocate:  # one step per version: training waits for the whole version's batch
-        batch_size, sync_every = batch_size * sync_every, 1
-    if batch_size < replicas:
-        raise ValueError(f"batch_size {batch_size} < {replicas} replicas")
-    # Replica i admits its share of every batch (the first ones one more when it does not
-    # divide); only the first `simulated` run, and the trainer's step costs the whole batch.
-    shares = [batch_size // replicas + (i < batch_size % replicas) for i in range(replicas)]
-    unit = config.token_unit
-    max_units = max(1, math.ceil(config.lengths.max_tokens / unit))
-    prompt_units = max(1, math.ceil(config.prompt_tokens / unit))
-    batch = sum(shares[:simulated])
-    queue: MessageQueue[SimItem] = MessageQueue(maxsize=config.queue_maxsize or (k + 2) * batch)
-    contention = ContentionState(config.contention)
-    decode, trainer_model = config.decode, config.trainer
-    if config.mode == "async":
-        decode = decode.scaled(config.contention.async_engine_factor)
-        trainer_model = trainer_model.scaled(config.contention.async_trainer_factor)
-    sink = QueueSink(queue)
-    rollout_config = RolloutConfig(
-        group_size=config.group_size,
-        max_concurrency=config.max_concurrency,
-        groups_per_step=shares[0],
-        sync_every=sync_every,
-        max_staleness=k,
-        pacing=config.pacing,
-        pacing_margin=config.pacing_margin,
-        partial_rollout=config.partial_rollout and config.mode == "async",
-        pause_mode=config.pause_mode,
-        sampling=SamplingConfig(max_tokens=max_units),
-        max_consecutive_failures=1_000_000,
-        recent_failures=16,
+    layout = _Layout.of(config)
+    queue: MessageQueue[SimItem] = MessageQueue(
+        maxsize=config.queue_maxsize or (layout.k + 2) * layout.batch
     )
-    engines: list[SimEngine] = []
-    handles: list[Replica] = []
-    for index in range(simulated):
-        engine = SimEngine(
-            decode,
-            config.lengths,
-            seed=config.seed,
-            replica=index,
-            token_unit=unit,
-            failure_rate=config.failure_rate,
-            on_busy=contention.on_engine_busy,
-            trace=trace,
-        )
-        engines.append(engine)
-        rollouter = Rollouter(
-            engine,
-            _prompts(index, prompt_units),
-            sink,
-            _Reward(),
-            dataclasses.replace(rollout_config, groups_per_step=shares[index]),
-            clock=loop.time,
-        )
-        handles.append(Replica(rollouter, queue, index, simulated))
+    contention = ContentionState(config.contention)
+    engines, handles = _replicas(config, layout, queue, contention, trace)
     contention.engines = engines
     errors: list[str] = []
-
-    def check(trainer: SimTrainer) -> None:
-        idle = [h.rollouter.metrics()["rollout/idle_ratio"] for h in handles]
-        trainer.records[-1]["rollout/idle_ratio"] = statistics.fmean(idle)
-        for index, handle in enumerate(handles):
-            s = handle.rollouter.stats()
-            if s.admitted != s.delivered + s.failed + s.dropped + s.in_flight:
-                errors.append(
-                    f"step {trainer.step} replica {index}: {s.admitted} admitted != "
-                    f"{s.delivered}+{s.failed}+{s.dropped}+{s.in_flight}"
-                )
-        q = queue.stats()
-        if q.produced != q.consumed + q.dropped_total + q.size:
-            errors.append(f"step {trainer.step}: queue {q}")
-
-    trainer = SimTrainer(
-        queue,
-        handles,
-        trainer_model,
-        contention,
-        batch_size=batch,
-        max_staleness=k,
-        steps=config.steps // config.sync_every if colocate else config.steps,
-        sync_every=sync_every,
-        token_unit=unit,
-        token_scale=batch_size / batch,
-        speedup=config.colocate_speedup if colocate else 1.0,
-        switch_s=config.colocate_switch_s if colocate else 0.0,
-        seed=config.seed,
-        trace=trace,
-        on_step=check,
-    )
+    trainer = _trainer(config, layout, queue, handles, contention, trace, errors)
     runs = [asyncio.ensure_future(h.rollouter.run()) for h in handles]
     try:
         if config.trainer_start_s > 0:
@@ -430,6 +345,163 @@ async def simulate_async(config: SimConfig, *, keep_events: int = 0) -> SimResul
         conservation_errors=errors,
         events_log=trace.log,
     )
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How a `SimConfig` maps onto replicas, batches and token units."""
+
+    k: int  # the effective staleness bound
+    replicas: int
+    simulated: int  # replicas that run (the first ones); the trainer still costs them all
+    colocate: bool
+    batch_size: int  # groups per step (colocate: a whole version's batch)
+    sync_every: int
+    shares: list[int]  # each replica's share of a batch
+    unit: int  # tokens per simulated token
+    max_units: int
+    prompt_units: int
+
+    @property
+    def batch(self) -> int:
+        """Groups per step of the simulated replicas."""
+        return sum(self.shares[: self.simulated])
+
+    @classmethod
+    def of(cls, config: SimConfig) -> _Layout:
+        replicas = config.effective_replicas
+        batch_size, sync_every = config.batch_size, config.sync_every
+        colocate = config.mode == "colocate"
+        if colocate:  # one step per version: training waits for the whole version's batch
+            batch_size, sync_every = batch_size * sync_every, 1
+        if batch_size < replicas:
+            raise ValueError(f"batch_size {batch_size} < {replicas} replicas")
+        unit = config.token_unit
+        return cls(
+            k=config.effective_staleness,
+            replicas=replicas,
+            simulated=min(config.simulate_replicas or replicas, replicas),
+            colocate=colocate,
+            batch_size=batch_size,
+            sync_every=sync_every,
+            # Replica i admits its share of every batch (the first ones one more when it
+            # does not divide).
+            shares=[batch_size // replicas + (i < batch_size % replicas) for i in range(replicas)],
+            unit=unit,
+            max_units=max(1, math.ceil(config.lengths.max_tokens / unit)),
+            prompt_units=max(1, math.ceil(config.prompt_tokens / unit)),
+        )
+
+
+def _rollout_config(config: SimConfig, layout: _Layout) -> RolloutConfig:
+    return RolloutConfig(
+        group_size=config.group_size,
+        max_concurrency=config.max_concurrency,
+        groups_per_step=layout.shares[0],
+        sync_every=layout.sync_every,
+        max_staleness=layout.k,
+        pacing=config.pacing,
+        pacing_margin=config.pacing_margin,
+        partial_rollout=config.partial_rollout and config.mode == "async",
+        pause_mode=config.pause_mode,
+        sampling=SamplingConfig(max_tokens=layout.max_units),
+        max_consecutive_failures=1_000_000,
+        recent_failures=16,
+    )
+
+
+def _replicas(
+    config: SimConfig,
+    layout: _Layout,
+    queue: MessageQueue[SimItem],
+    contention: ContentionState,
+    trace: Trace,
+) -> tuple[list[SimEngine], list[Replica]]:
+    """One engine and rollouter per simulated replica, all feeding `queue`."""
+    loop = asyncio.get_running_loop()
+    decode = config.decode
+    if config.mode == "async":
+        decode = decode.scaled(config.contention.async_engine_factor)
+    sink = QueueSink(queue)
+    rollout_config = _rollout_config(config, layout)
+    engines: list[SimEngine] = []
+    handles: list[Replica] = []
+    for index in range(layout.simulated):
+        engine = SimEngine(
+            decode,
+            config.lengths,
+            seed=config.seed,
+            replica=index,
+            token_unit=layout.unit,
+            failure_rate=config.failure_rate,
+            on_busy=contention.on_engine_busy,
+            trace=trace,
+        )
+        engines.append(engine)
+        rollouter = Rollouter(
+            engine,
+            _prompts(index, layout.prompt_units),
+            sink,
+            _Reward(),
+            dataclasses.replace(rollout_config, groups_per_step=layout.shares[index]),
+            clock=loop.time,
+        )
+        handles.append(Replica(rollouter, queue, index, layout.simulated))
+    return engines, handles
+
+
+def _trainer(
+    config: SimConfig,
+    layout: _Layout,
+    queue: MessageQueue[SimItem],
+    handles: list[Replica],
+    contention: ContentionState,
+    trace: Trace,
+    errors: list[str],
+) -> SimTrainer:
+    """The simulated trainer; after every step it checks that the books balance (a broken
+    invariant is appended to `errors`)."""
+    trainer_model = config.trainer
+    if config.mode == "async":
+        trainer_model = trainer_model.scaled(config.contention.async_trainer_factor)
+    colocate = layout.colocate
+    return SimTrainer(
+        queue,
+        handles,
+        trainer_model,
+        contention,
+        batch_size=layout.batch,
+        max_staleness=layout.k,
+        steps=config.steps // config.sync_every if colocate else config.steps,
+        sync_every=layout.sync_every,
+        token_unit=layout.unit,
+        token_scale=layout.batch_size / layout.batch,
+        speedup=config.colocate_speedup if colocate else 1.0,
+        switch_s=config.colocate_switch_s if colocate else 0.0,
+        seed=config.seed,
+        trace=trace,
+        on_step=_step_check(handles, queue, errors),
+    )
+
+
+def _step_check(
+    handles: list[Replica], queue: MessageQueue[SimItem], errors: list[str]
+) -> Callable[[SimTrainer], None]:
+    def check(trainer: SimTrainer) -> None:
+        idle = [h.rollouter.metrics()["rollout/idle_ratio"] for h in handles]
+        trainer.records[-1]["rollout/idle_ratio"] = statistics.fmean(idle)
+        for index, handle in enumerate(handles):
+            s = handle.rollouter.stats()
+            if s.admitted != s.delivered + s.failed + s.dropped + s.in_flight:
+                errors.append(
+                    f"step {trainer.step} replica {index}: {s.admitted} admitted != "
+                    f"{s.delivered}+{s.failed}+{s.dropped}+{s.in_flight}"
+                )
+        q = queue.stats()
+        if q.produced != q.consumed + q.dropped_total + q.size:
+            errors.append(f"step {trainer.step}: queue {q}")
+
+    return check
 
 
 def _check_end(

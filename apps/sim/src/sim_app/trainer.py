@@ -196,29 +196,13 @@ class SimTrainer:
             wait_s = loop.time() - iteration_start
             self.wait_s += wait_s
             staleness, tokens, sq_tokens = self._consume(items)
-            step_s = model.step_time(tokens * self._scale, sq_tokens * self._scale)
-            step_s = step_s / self._speedup
-            if model.jitter > 0:
-                noise = model.jitter * max(-3.0, min(3.0, self._rng.gauss(0.0, 1.0)))
-                step_s *= max(0.1, 1.0 + noise)
+            step_s = self._step_time(tokens, sq_tokens)
             await self._contention.work(step_s)
             await self._contention.work(model.export_s)
             self.step += 1
             metrics: dict[str, Any] = {}
             if self.step % self._sync_every == 0:
-                if self._switch_s > 0:  # colocate: the engines sleep and wake
-                    await asyncio.sleep(self._switch_s)
-                self.version += 1
-                sync_started = loop.time()
-                await self._finish_push()
-                push = self._push(self.version)
-                if model.background_push:
-                    self._push_task = asyncio.ensure_future(push)
-                else:
-                    await push
-                metrics["weights/sync_s"] = model.export_s + loop.time() - sync_started
-                if self._last_push_s is not None:
-                    metrics["weights/push_s"] = self._last_push_s
+                metrics.update(await self._sync_weights())
             now = loop.time()
             self.wall_s = now - self.started_at
             metrics.update(
@@ -240,12 +224,47 @@ class SimTrainer:
                 self._trace("step", now, self.step, self.version, wait_s, tuple(staleness))
             if self._on_step is not None:
                 self._on_step(self)
-            overhead = model.overhead_s
-            if model.checkpoint_every and self.step % model.checkpoint_every == 0:
-                overhead += model.checkpoint_s
-            if overhead > 0:
-                await asyncio.sleep(overhead)
+            await self._step_overhead()
         await self._finish_push()
+
+    def _step_time(self, tokens: float, sq_tokens: float) -> float:
+        """The modelled seconds of one step on `tokens` (with jitter, if the model has it)."""
+        model = self.model
+        step_s = model.step_time(tokens * self._scale, sq_tokens * self._scale)
+        step_s = step_s / self._speedup
+        if model.jitter > 0:
+            noise = model.jitter * max(-3.0, min(3.0, self._rng.gauss(0.0, 1.0)))
+            step_s *= max(0.1, 1.0 + noise)
+        return step_s
+
+    async def _sync_weights(self) -> dict[str, Any]:
+        """Advance the version and push it (in the background if the model says so); the
+        sync metrics."""
+        loop = asyncio.get_running_loop()
+        model = self.model
+        metrics: dict[str, Any] = {}
+        if self._switch_s > 0:  # colocate: the engines sleep and wake
+            await asyncio.sleep(self._switch_s)
+        self.version += 1
+        sync_started = loop.time()
+        await self._finish_push()
+        push = self._push(self.version)
+        if model.background_push:
+            self._push_task = asyncio.ensure_future(push)
+        else:
+            await push
+        metrics["weights/sync_s"] = model.export_s + loop.time() - sync_started
+        if self._last_push_s is not None:
+            metrics["weights/push_s"] = self._last_push_s
+        return metrics
+
+    async def _step_overhead(self) -> None:
+        """The fixed per-step overhead, plus a checkpoint's time on checkpoint steps."""
+        overhead = self.model.overhead_s
+        if self.model.checkpoint_every and self.step % self.model.checkpoint_every == 0:
+            overhead += self.model.checkpoint_s
+        if overhead > 0:
+            await asyncio.sleep(overhead)
 
     def _consume(self, items: list[SimItem]) -> tuple[list[int], float, float]:
         staleness: list[int] = []

@@ -99,6 +99,8 @@ class RolloutActor:
         self._stale_drops_seen = 0
         self._stale_ids_seen = 0  # the queue's stale drops whose prompts were given back
         self._prompt_source: Any = None
+        self._evaluator: Any = None  # train_app.evaluation.ReplicaEvaluator, with a held-out set
+        self._first_eval_due = False
         # Failed with the error of a weight push this replica could not load (see wait()).
         self._broken: asyncio.Future[None] | None = None
 
@@ -128,6 +130,8 @@ class RolloutActor:
         await self._lag.start()
         task = await self._start_engine(weights, version)
         await self._build_rollouter(task, hold)
+        if weights is not None:  # a replacement: the run's first evaluation is long done
+            self._first_eval_due = False
         # Drops the queue counted before this replica existed are not its own (a replacement).
         self._stale_drops_seen = self._drop_share(await self._stale_drops())
         if begin:
@@ -137,13 +141,12 @@ class RolloutActor:
     async def _start_engine(self, weights: dict[str, Any] | None, version: int | None) -> Any:
         """The task (its tokenizer, its dataset) and the engine, loaded with `weights` at
         `version` if given (a replacement); returns the task."""
-        from transformers import AutoTokenizer
-
+        from train_app.models import load_tokenizer
         from train_app.multimodal import make_vision_preprocessor
         from train_app.tasks import is_vision_task, make_task
 
         plan = self._plan
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, plan.model_dir)
+        tokenizer = await asyncio.to_thread(load_tokenizer, plan.model_dir)
         # A vision task writes its PNG dataset when built: file work, so off the loop.
         task = await asyncio.to_thread(make_task, plan.task, tokenizer, **plan.task_options)
         self._task_metrics = getattr(task, "metrics", dict)  # e.g. reward/<component>
@@ -158,12 +161,26 @@ class RolloutActor:
             await self._engine.pause(mode="keep", clear_cache=True)
             await self._engine.load_weights(unpack_weights(weights), version)
             await self._engine.resume()
+        self._held_out = await self._held_out_set(tokenizer)
         self._preprocessor = None
         if is_vision_task(plan.task):
             # Images are decoded and resized in VisionPreprocessor's bounded thread pool.
             self._preprocessor = make_vision_preprocessor(task.settings)
             await self._preprocessor.warmup()
         return task
+
+    async def _held_out_set(self, tokenizer: Any) -> tuple[list[Any], Any] | None:
+        """This replica's held-out prompts and their reward function (None: no evaluation);
+        the set is read and tokenized in a thread."""
+        from train_app.evaluation import eval_prompts
+        from train_app.tasks import make_task
+
+        plan = self._plan.eval
+        if plan is None:
+            return None
+        task = await asyncio.to_thread(make_task, plan.task, tokenizer, **plan.task_options)
+        stream = task.prompts(plan.prompt_seed)
+        return await asyncio.to_thread(eval_prompts, plan, stream), task.reward
 
     async def _build_rollouter(self, task: Any, hold: bool) -> None:
         """The `Rollouter` over the engine: its prompt stream, the queue, the failure journal,
@@ -207,6 +224,14 @@ class RolloutActor:
             self._rollouter.count_requeued(plan.requeued)
         if hold:
             self._rollouter.hold_new_prompts()
+        if plan.eval is not None and self._held_out is not None:
+            from train_app.evaluation import ReplicaEvaluator
+
+            prompts, reward = self._held_out
+            self._evaluator = ReplicaEvaluator(
+                plan.eval, plan.replica, self._rollouter, prompts, reward
+            )
+            self._first_eval_due = True
 
     async def restored_delivered(self) -> None:
         """Returns once this replica's restored groups are delivered (or its loop ended)."""
@@ -221,6 +246,26 @@ class RolloutActor:
         if self._run_task is None:
             self._lag.reset()  # report the steady state, not the engine start-up
             self._run_task = asyncio.create_task(self._run())
+            if self._evaluator is not None and not self._evaluator.plan.resumed:
+                self._first_evaluation(self._rollouter.version)
+
+    def _first_evaluation(self, version: int) -> None:
+        """The evaluation at the start: once the engine holds the run's starting weights
+        (a resumed run's come with the trainer's first push)."""
+        if self._evaluator is not None and self._first_eval_due:
+            self._first_eval_due = False
+            self._evaluator.first(version)
+
+    async def eval_results(self, acked: dict[str, int]) -> dict[str, Any] | None:
+        """The finished evaluations the driver has not acknowledged (`acked`; see
+        `train_app.evaluation.ReplicaEvaluator.results`); None without a held-out set."""
+        return self._evaluator.results(acked) if self._evaluator is not None else None
+
+    async def evaluate_last(self, step: int) -> None:
+        """The evaluation at the end of training (labelled `step`); returns when it is done
+        (at once without a held-out set, or when the last weights were just evaluated)."""
+        if self._evaluator is not None:
+            await self._evaluator.last(step)
 
     async def _run(self) -> dict[str, Any]:
         try:
@@ -258,6 +303,10 @@ class RolloutActor:
             if self._broken is not None and not self._broken.done():
                 self._broken.set_exception(exc)
             raise
+        if self._evaluator is not None:
+            if self._evaluator.plan.resumed:
+                self._first_evaluation(version)
+            self._evaluator.on_version(version)
         await self._report_downstream_drops()
 
     async def _report_downstream_drops(self) -> None:
@@ -341,6 +390,8 @@ class RolloutActor:
 
     async def stop(self) -> None:
         """Stop the rollout loop and close the engine; safe before `start()` has finished."""
+        if self._evaluator is not None:
+            await self._evaluator.aclose()
         if self._run_task is not None and not self._run_task.done():
             await self._rollouter.stop()
             self._run_task.cancel()
@@ -408,6 +459,7 @@ class TrainerActor:
         # position): what a replacement of a dead rollouter starts from (`rollout_handoff`).
         self._positioned: dict[int, Any] = {}
         self._dp: Any = None  # ppo_trainer.DataParallel when world_size > 1
+        self._store_socket: Any = None  # rank 0's, from `rendezvous` to `setup`
 
     def log(self, metrics: dict[str, Any], step: int) -> None:  # MetricsSink
         if self._plan.rank != 0:
@@ -422,15 +474,18 @@ class TrainerActor:
 
     async def rendezvous(self, loopback: bool = False) -> str:
         """The torch.distributed address of the group (ask rank 0): `tcp://` this node's IP
-        and a port free on it now (rank 0 listens there in `setup`). `loopback` (every rank
-        on this node): 127.0.0.1, so the store, which authenticates no one and unpickles
-        what it is sent, is not reachable from other machines."""
-        import socket
+        and a port this actor listens on from now (`ppo_trainer.listen_for_ranks`; its store
+        serves on that very socket in `setup`, so the port is never released and re-bound,
+        and nothing listens on the other interfaces). `loopback` (every rank on this node):
+        127.0.0.1, so the store, which authenticates no one and unpickles what it is sent,
+        is not reachable from other machines."""
+        from ppo_trainer import listen_for_ranks
 
         host = LOOPBACK_HOST if loopback else ray.util.get_node_ip_address()
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = int(sock.getsockname()[1])
+        if self._store_socket is not None:
+            self._store_socket.close()
+        self._store_socket = listen_for_ranks(host)
+        port = int(self._store_socket.getsockname()[1])
         return f"tcp://{host}:{port}"
 
     async def setup(self, init_method: str | None = None) -> float:
@@ -457,6 +512,7 @@ class TrainerActor:
             # The ranks' own connections (gloo's, NCCL's bootstrap) on loopback too.
             for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
                 os.environ.setdefault(variable, LOOPBACK_INTERFACE)
+        store_socket, self._store_socket = self._store_socket, None  # the store takes it
         return await asyncio.to_thread(
             DataParallel.init,
             plan.rank,
@@ -464,13 +520,15 @@ class TrainerActor:
             init_method=init_method,
             strategy=plan.dp_strategy,  # type: ignore[arg-type]
             timeout_s=plan.dp_timeout_s,
+            store_socket=store_socket,
         )
 
     async def _build_trainer(self, init_method: str | None = None) -> None:
         from mm_preprocess import EventLoopLagMonitor
         from ppo_trainer import PPOTrainer
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
+        from train_app.models import load_tokenizer
         from train_app.wiring import RolloutWeightSink
 
         plan = self._plan
@@ -485,7 +543,7 @@ class TrainerActor:
             mm_inputs_fn = VisionInputsFn(plan.model_dir)
         else:
             model = await asyncio.to_thread(AutoModelForCausalLM.from_pretrained, plan.model_dir)
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, plan.model_dir)
+        tokenizer = await asyncio.to_thread(load_tokenizer, plan.model_dir)
         import torch
 
         self._device = trainer_device(ray.get_gpu_ids(), torch.cuda.is_available())

@@ -99,7 +99,10 @@ def launcher(
 def _bad_configuration(exc: ValueError) -> int:
     """One line on stderr and exit 2, as cyclopts does for a flag it cannot parse."""
     Console(stderr=True).print(
-        f"[bold red]bad configuration:[/] {escape(str(exc))}", soft_wrap=True
+        # No emoji codes: a value such as `nope:x:` must not print as `nope❌`.
+        f"[bold red]bad configuration:[/] {escape(str(exc))}",
+        soft_wrap=True,
+        emoji=False,
     )
     return 2
 

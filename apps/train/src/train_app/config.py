@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +82,36 @@ class TrainConfig:
 
     env: str | None = None
     """An environment library instead of `--task`: `reasoning-gym:NAME[,NAME...]` (needs the
-    app's `reasoning-gym` extra; scored by reasoning-gym's own scorer)."""
+    app's `reasoning-gym` extra; scored by reasoning-gym's own scorer), or
+    `verifiers:MODULE|path/to/env.py` (a verifiers environment, single- or multi-turn, scored
+    by its own rubric; needs the `verifiers` extra)."""
+
+    eval_dataset: Path | None = None
+    """Held-out evaluation set, a local file as `--dataset` takes (same `--prompt-field`,
+    `--answer-field`, formatting), scored by the `--reward` functions. Its prompts are
+    decoded by the rollouters beside training and never trained on; an eval set whose
+    prompts are also in `--dataset` gets a warning with the count."""
+
+    eval_env: str | None = None
+    """Held-out evaluation set from an environment library, as `--env` takes
+    (`reasoning-gym:NAME[,NAME...]`, scored by its own scorer), drawn from a stream apart
+    from training's."""
+
+    eval_every: int = 0
+    """Trainer steps between evaluations (each on the weights of that step, run beside
+    training); there is always one at the start and one at the end (0: only those).
+    Needs `--eval-dataset` or `--eval-env`."""
+
+    eval_samples: int = 64
+    """Held-out prompts per evaluation (the same ones each time; a smaller set is used
+    whole), split between the rollout replicas."""
+
+    eval_n: int = 1
+    """Responses per held-out prompt: `eval/pass@N` is the fraction of prompts with one
+    response of full reward (>= 1.0); N > 1 needs `--eval-temperature` > 0."""
+
+    eval_temperature: float = 0.0
+    """Sampling temperature of evaluation responses (0: greedy)."""
 
     corrupt_images: float = 0.0
     """Vision tasks: fraction of dataset images written corrupt or missing (fault drills)."""
@@ -250,15 +280,23 @@ class TrainConfig:
         _check_numbers(self)
         _check_choices(self)
         _check_paths(self)
+        _check_eval(self)
+
+    @property
+    def evaluates(self) -> bool:
+        """True when the run evaluates held-out prompts (`--eval-dataset` / `--eval-env`)."""
+        return self.eval_dataset is not None or self.eval_env is not None
 
 
 # Flags that count something: at least 1 (0 would mean an empty batch, no response, no pass).
 _AT_LEAST_ONE = (
     "steps", "batch_size", "group_size", "sync_every", "rollout_replicas", "trainer_workers",
-    "max_concurrency", "max_tokens", "ppo_epochs",
+    "max_concurrency", "max_tokens", "ppo_epochs", "eval_samples", "eval_n",
 )  # fmt: skip
 # Flags where 0 means something (documented on each field); negative is never meaningful.
-_AT_LEAST_ZERO = ("max_staleness", "max_rollout_restarts", "checkpoint_every", "seed")
+_AT_LEAST_ZERO = (
+    "max_staleness", "max_rollout_restarts", "checkpoint_every", "seed", "eval_every",
+)  # fmt: skip
 # Scales that divide or multiply the loss: 0 or less has no meaning (`not x > 0` also
 # rejects NaN, which every comparison lets through).
 _POSITIVE_FLOATS = ("lr", "temperature", "is_cap")
@@ -344,6 +382,45 @@ def _check_paths(config: TrainConfig) -> None:
         check_resume_dir(config.resume)
 
 
+def _check_eval(config: TrainConfig) -> None:
+    """The evaluation flags; what needs the files read (columns, overlap) is checked with
+    the task's inputs (`train_app.tasks.spec.check_task_inputs`)."""
+    from train_app.tasks.spec import parse_env
+
+    temperature = config.eval_temperature
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"--eval-temperature must be >= 0 (0: greedy), got {temperature}")
+    if config.eval_dataset is not None and config.eval_env is not None:
+        raise ValueError("--eval-dataset and --eval-env are two evaluation sets: give one")
+    if not config.evaluates:
+        if config.eval_every > 0:
+            raise ValueError("--eval-every needs a held-out set: --eval-dataset or --eval-env")
+        return
+    if config.eval_n > 1 and temperature == 0:
+        raise ValueError(
+            f"--eval-n {config.eval_n} with greedy decoding gives {config.eval_n} identical "
+            "responses: set --eval-temperature > 0 (e.g. 1.0) for pass@k"
+        )
+    if config.eval_env is not None:
+        if parse_env(config.eval_env, flag="--eval-env")[0] != "reasoning-gym":
+            raise ValueError(
+                f"--eval-env {config.eval_env}: held-out evaluation takes reasoning-gym:NAME "
+                "or --eval-dataset (a verifiers environment's own eval split is not wired in)"
+            )
+        return
+    if not Path(config.eval_dataset).exists():  # type: ignore[arg-type]
+        raise ValueError(f"--eval-dataset {config.eval_dataset}: no such file or directory")
+    if config.env is not None:
+        raise ValueError(
+            "--eval-dataset with --env: the dataset is scored by --reward, which --env "
+            "refuses; evaluate with --eval-env instead"
+        )
+    if not config.reward:
+        raise ValueError(
+            "--eval-dataset needs --reward MODULE:FUNCTION (the functions that score it)"
+        )
+
+
 def check_config_file(path: Path) -> None:
     """Raise `ValueError` with one line unless `path` is a readable file (`--config`)."""
     if not Path(path).is_file():
@@ -425,7 +502,7 @@ def load_toml(path: Path) -> dict[str, Any]:
     for key in ("reward", "reward_weights"):
         if key in data:
             data[key] = tuple(data[key])
-    for key in ("runs_dir", "model", "resume", "dataset"):
+    for key in ("runs_dir", "model", "resume", "dataset", "eval_dataset"):
         if data.get(key) is not None:
             data[key] = Path(data[key])
     return data

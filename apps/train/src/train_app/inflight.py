@@ -1,5 +1,5 @@
-"""In-flight partial trajectories in checkpoints (issue 14, item 2): save at a checkpoint,
-continue at `--resume`.
+"""In-flight partial trajectories in checkpoints: save at a checkpoint, continue at
+`--resume`.
 
 Save: the trainer's `on_checkpoint` hook (`PPOTrainer`, called after each checkpoint
 directory is written and before `latest` points at it) runs `snapshot_replicas`. Every rollout

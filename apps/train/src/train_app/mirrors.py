@@ -85,8 +85,10 @@ class WandbMirror:
             and not isinstance(value, bool)
             and math.isfinite(value)
         }
-        self.run.log(scalars, step=step)
+        # W&B's step only moves forward: a held-out evaluation's row, which arrives after
+        # later steps' rows, goes to the latest step (its own is in `eval/step`).
         self._last_step = max(self._last_step, step)
+        self.run.log(scalars, step=self._last_step)
 
     def add_plot(self, path: Path) -> None:
         if Path(path).exists():

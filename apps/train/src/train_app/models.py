@@ -25,6 +25,7 @@ __all__ = [
     "ModelFacts",
     "UnsupportedModel",
     "check_vllm_architectures",
+    "load_tokenizer",
     "read_model_facts",
     "vllm_architectures",
 ]
@@ -52,10 +53,22 @@ class ModelFacts:
     architectures: tuple[str, ...]
 
 
+def load_tokenizer(model_dir: Path | str) -> Any:
+    """The tokenizer of `model_dir`: `AutoTokenizer`'s, except a word-level one (the tiny
+    model's character tokenizer), loaded from its tokenizer.json as saved. For some model
+    types (qwen2 among them) transformers rebuilds the tokenizer as the model family's
+    byte-level BPE around the saved vocabulary, which drops spaces and line breaks the
+    character tokenizer has tokens for."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    saved = _read_json(Path(model_dir) / "tokenizer.json")
+    if saved.get("model", {}).get("type") == "WordLevel":
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
 def read_model_facts(model_dir: Path | str) -> ModelFacts:
     """Read `model_dir`'s config.json, generation_config.json (optional) and tokenizer."""
-    from transformers import AutoTokenizer
-
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     if not config_path.exists():
@@ -63,7 +76,7 @@ def read_model_facts(model_dir: Path | str) -> ModelFacts:
     config = json.loads(config_path.read_text())
     text_config = config.get("text_config", config)
     generation = _read_json(model_dir / "generation_config.json")
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(model_dir)
     eos = _unique(_ids(tokenizer.eos_token_id), _ids(generation.get("eos_token_id")))
     if not eos:
         eos = _ids(text_config.get("eos_token_id"))

@@ -20,12 +20,14 @@ from rich.console import Console
 from rich.table import Table
 
 __all__ = [
+    "EVAL_PREFIX",
     "MAX_LOG_BYTES",
     "MAX_PLOT_POINTS",
     "PLOTTED_KEYS",
     "MetricsMirror",
     "MetricsWriter",
     "cap_log",
+    "is_eval_row",
     "iter_metrics",
     "plot_metrics",
     "plot_run",
@@ -41,7 +43,9 @@ MAX_PLOT_POINTS = 4000
 # Size at which `cap_log` moves a log aside: ample for a day of an actor's warnings, small
 # enough that a run that logs in a loop cannot fill the disk (at most twice this per log).
 MAX_LOG_BYTES = 64 * 1024 * 1024
-# The series `plot_run` draws.
+# Keys of a held-out evaluation's rows (`MetricsWriter.log_eval`).
+EVAL_PREFIX = "eval/"
+# The series `plot_run` draws (and the held-out evaluations' reward and pass@N).
 PLOTTED_KEYS = (
     "reward/mean", "staleness/mean", "staleness/max", "rollout/idle_ratio", "trainer/idle_ratio",
 )  # fmt: skip
@@ -119,6 +123,19 @@ class MetricsWriter:
         for mirror in self.mirrors:
             mirror.log(metrics, step)
 
+    def log_eval(self, metrics: Mapping[str, Any], step: int) -> None:
+        """A held-out evaluation's row (every key `eval/...`) for the weights of `step`: in
+        metrics.jsonl beside the steps' rows (it is not one: `rows` and `last_row` count
+        only those), in TensorBoard at `step`, and to the mirrors."""
+        record = {"step": step, **metrics}
+        self._file.write(json.dumps(record, default=_jsonable) + "\n")
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, int | float) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+        for mirror in self.mirrors:
+            mirror.log(metrics, step)
+
     def add_plot(self, path: Path) -> None:
         """The run's plot, for the mirrors (the file itself is already in the run dir)."""
         for mirror in self.mirrors:
@@ -157,6 +174,12 @@ def cap_log(path: Path, max_bytes: int = MAX_LOG_BYTES) -> bool:
     return True
 
 
+def is_eval_row(row: Mapping[str, Any]) -> bool:
+    """A held-out evaluation's row (`MetricsWriter.log_eval`), not a trainer step's."""
+    keys = [k for k in row if k != "step"]
+    return bool(keys) and all(k.startswith(EVAL_PREFIX) for k in keys)
+
+
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return value.tolist()
@@ -173,31 +196,35 @@ def rewind_metrics(path: Path, step: int) -> list[dict[str, Any]]:
 
 
 def _rewind(path: Path, step: int) -> tuple[int, dict[str, Any] | None]:
-    """`rewind_metrics` returning only the count of kept rows and the last of them. Only the
-    byte offset of each step's row is held while the file is rewritten."""
+    """`rewind_metrics` returning only the count of kept step rows and the last of them
+    (evaluation rows are kept too, one per step, but are not step rows). Only the byte
+    offset of each row is held while the file is rewritten."""
     if not path.exists():
         return 0, None
-    offsets: dict[int, int] = {}
+    offsets: dict[tuple[int, bool], int] = {}
     with path.open("rb") as source:
-        for offset, at in _row_steps(source):
+        for offset, at, evaluation in _row_steps(source):
             if at <= step:
-                offsets[at] = offset
+                offsets[at, evaluation] = offset
         tmp = path.with_name(f".{path.name}.rewind")
         last = None
         with tmp.open("wb") as file:
-            for at in sorted(offsets):
-                source.seek(offsets[at])
+            for at, evaluation in sorted(offsets):
+                source.seek(offsets[at, evaluation])
                 line = source.readline()
                 file.write(line)
-                last = line
+                if not evaluation:
+                    last = line
             file.flush()
             os.fsync(file.fileno())
     os.replace(tmp, path)
-    return len(offsets), None if last is None else json.loads(last)
+    rows = sum(not evaluation for _, evaluation in offsets)
+    return rows, None if last is None else json.loads(last)
 
 
-def _row_steps(file: Any) -> Iterator[tuple[int, int]]:
-    """(byte offset, step) of every whole row of an open metrics.jsonl."""
+def _row_steps(file: Any) -> Iterator[tuple[int, int, bool]]:
+    """(byte offset, step, is an evaluation row) of every whole row of an open
+    metrics.jsonl."""
     offset = 0
     for line in iter(file.readline, b""):
         start, offset = offset, offset + len(line)
@@ -207,7 +234,7 @@ def _row_steps(file: Any) -> Iterator[tuple[int, int]]:
             continue  # a torn line (a killed run)
         at = record.get("step") if isinstance(record, dict) else None
         if isinstance(at, int) and line.endswith(b"\n"):
-            yield start, at
+            yield start, at, is_eval_row(record)
 
 
 def iter_metrics(path: Path) -> Iterator[dict[str, Any]]:
@@ -229,10 +256,18 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 def summarize_metrics(path: Path) -> dict[str, Any]:
     """The end-of-run figures of a metrics.jsonl, streamed: `steps` (rows), the mean reward
     of the first and last tenth of the steps, the largest staleness and the last weight
-    version. Holds one float per step, not the rows."""
+    version; with held-out evaluations, the first and last one's reward and pass@N. Holds
+    one float per step, not the rows."""
     rewards = array("d")
     rows, staleness_max, version = 0, 0.0, ""
+    evals: list[dict[str, Any]] = []  # the first and the last
     for row in iter_metrics(path):
+        if is_eval_row(row):
+            if evals:
+                evals[1:] = [row]
+            else:
+                evals.append(row)
+            continue
         rows += 1
         if isinstance(row.get("reward/mean"), int | float):
             rewards.append(row["reward/mean"])
@@ -246,7 +281,23 @@ def summarize_metrics(path: Path) -> dict[str, Any]:
         "reward_last_tenth": statistics.fmean(rewards[-tenth:]) if rewards else float("nan"),
         "staleness_max": staleness_max,
         "weight_version": version,
+        **_eval_summary(evals),
     }
+
+
+def _eval_summary(evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """`eval_reward_first` / `_last`, `eval_pass@N_first` / `_last` and their steps (the
+    first and the last evaluation); nothing for a run without one."""
+    if not evals:
+        return {}
+    first, last = evals[0], evals[-1]
+    summary: dict[str, Any] = {}
+    for key in sorted(k for k in last if k == "eval/reward/mean" or k.startswith("eval/pass@")):
+        name = "eval_reward" if key == "eval/reward/mean" else key.replace("/", "_")
+        summary[f"{name}_first"] = first.get(key, float("nan"))
+        summary[f"{name}_last"] = last[key]
+    summary["eval_steps"] = f"{first['step']}..{last['step']}"
+    return summary
 
 
 def plot_metrics(path: Path, png: Path, title: str = "", max_points: int = MAX_PLOT_POINTS) -> Path:
@@ -256,11 +307,15 @@ def plot_metrics(path: Path, png: Path, title: str = "", max_points: int = MAX_P
     rows = sum(1 for _ in iter_metrics(path)) if Path(path).exists() else 0
     stride = max(1, math.ceil(rows / max_points))
     picked = (
-        {"step": r["step"], **{k: r[k] for k in PLOTTED_KEYS if k in r}}
+        {"step": r["step"], **{k: r[k] for k in r if k in PLOTTED_KEYS or _plotted_eval(k)}}
         for i, r in enumerate(iter_metrics(path) if rows else ())
-        if i % stride == 0 or i == rows - 1
+        if i % stride == 0 or i == rows - 1 or is_eval_row(r)
     )
     return plot_run(list(picked), png, title)
+
+
+def _plotted_eval(key: str) -> bool:
+    return key == "eval/reward/mean" or key.startswith("eval/pass@")
 
 
 def _series(records: Iterable[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -277,6 +332,9 @@ def plot_run(records: Sequence[Mapping[str, Any]], path: Path, title: str = "") 
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
     axes[0].plot(*_series(records, "reward/mean"), label="reward/mean")
+    for key in sorted({k for r in records for k in r if _plotted_eval(k)}):
+        steps, values = _series(records, key)
+        axes[0].plot(steps, values, marker="o", linestyle=":", label=f"{key} (held out)")
     axes[0].set_ylim(0, 1.05)
     axes[0].set_title("reward")
     axes[1].plot(*_series(records, "staleness/mean"), label="staleness/mean")

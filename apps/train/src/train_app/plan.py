@@ -39,8 +39,9 @@ from rollout_engine.rollouter import RolloutConfig
 from rollout_engine.vllm_engine import VLLMEngineConfig
 
 from train_app.config import TrainConfig, parse_resources
+from train_app.evaluation import EvalPlan
 from train_app.inflight import QueuedGroups, deal_count, redistribute, restored_prompt_ids
-from train_app.tasks.spec import task_name, task_options
+from train_app.tasks.spec import eval_task, task_name, task_options
 
 __all__ = [
     "DP_STRATEGY",
@@ -54,6 +55,7 @@ __all__ = [
     "TrainerPlan",
     "actor_options",
     "consumed_ids_kept",
+    "eval_prompt_seed",
     "max_model_len",
     "plan",
     "queue_maxsize",
@@ -108,6 +110,13 @@ TOP_P = 1.0
 TOP_K = -1
 SAMPLING_SEED = None
 IGNORE_EOS = False
+
+# Evaluation: the held-out stream's seed is the last of the run's block of replica seeds
+# (no training replica has it below PROMPT_SEED_STRIDE replicas), and each replica keeps
+# this many held-out groups in flight: enough to batch in the engine, few enough to leave
+# training's requests the larger share of it.
+EVAL_SEED_IN_STRIDE = PROMPT_SEED_STRIDE - 1
+EVAL_CONCURRENCY = 8
 
 # Rollouter: fresh pacing's relative head-room on the measured batch generation latency
 # (admit a bit early rather than leave the trainer waiting).
@@ -264,6 +273,9 @@ class ReplicaPlan:
     staleness: StalenessBound = field(kw_only=True)
     """The run's staleness bound (`RunPlan.staleness`): this replica's admission budget and
     its delivery-time check (`Rollouter(staleness_bound=...)`)."""
+    eval: EvalPlan | None = None
+    """This replica's share of the held-out evaluations (`train_app.evaluation`); None: the
+    run evaluates nothing."""
 
 
 @dataclass(frozen=True)
@@ -363,6 +375,44 @@ def actor_options(resources: Mapping[str, float]) -> dict[str, Any]:
     return options
 
 
+def eval_prompt_seed(config: TrainConfig) -> int:
+    """Seed of the held-out stream of an `--eval-env` (apart from every replica's)."""
+    return config.seed * PROMPT_SEED_STRIDE + EVAL_SEED_IN_STRIDE
+
+
+def _eval_plan(
+    config: TrainConfig, resume: ResumePoint, replica: int, replicas: int, eos: tuple[int, ...]
+) -> EvalPlan | None:
+    held_out = eval_task(config)
+    if held_out is None:
+        return None
+    sampling = SamplingConfig(
+        max_tokens=config.max_tokens,
+        temperature=config.eval_temperature,
+        top_p=TOP_P,
+        top_k=TOP_K,
+        seed=config.seed if config.deterministic else SAMPLING_SEED,
+        stop_token_ids=eos,
+        ignore_eos=IGNORE_EOS,
+    )
+    return EvalPlan(
+        task=held_out[0],
+        task_options=held_out[1],
+        prompt_seed=eval_prompt_seed(config),
+        samples=config.eval_samples,
+        shard=replica,
+        shards=replicas,
+        n=config.eval_n,
+        sampling=sampling,
+        every=config.eval_every,
+        sync_every=config.sync_every,
+        base_step=resume.step or 0,
+        base_version=resume.version,
+        resumed=resume.checkpoint is not None,
+        concurrency=EVAL_CONCURRENCY,
+    )
+
+
 def ray_num_cpus(config: TrainConfig) -> int:
     """CPUs of a local Ray cluster: one per rollout actor and one per trainer rank."""
     return max(2, config.rollout_replicas + config.trainer_workers)
@@ -402,6 +452,7 @@ def plan(
     config.validate()
     resume = resume or ResumePoint()
     bound = staleness_bound(config)
+    # Exactly one replica on a local machine with a core for every actor: pin them.
     pin = (
         config.rollout_replicas == 1
         and cpu_count >= 1 + config.trainer_workers
@@ -413,8 +464,42 @@ def plan(
     model = _ModelFacts(str(model_dir), max_position_embeddings, eos)
     max_model_len(config, model)  # an impossible --max-model-len fails here, before Ray
     replicas = _replica_plans(config, bound, model, resume, run_dir, log_dir, pin)
-    trainer = TrainerPlan(
-        model_dir=model.path,
+    trainer = _trainer_plan(
+        config,
+        bound,
+        model.path,
+        run_dir,
+        resume,
+        log_dir=log_dir,
+        pin=pin,
+        pad_token_id=pad_token_id,
+        checkpoint_labels=checkpoint_labels,
+    )
+    return RunPlan(
+        queue_maxsize=queue_maxsize(config),
+        replicas=replicas,
+        trainer=trainer,
+        ray_num_cpus=ray_num_cpus(config),
+        steps=config.steps,
+        resume=resume,
+        staleness=bound,
+    )
+
+
+def _trainer_plan(
+    config: TrainConfig,
+    bound: StalenessBound,
+    model_dir: str,
+    run_dir: Path,
+    resume: ResumePoint,
+    *,
+    log_dir: str | None,
+    pin: bool,
+    pad_token_id: int | None,
+    checkpoint_labels: Mapping[str, str] | None,
+) -> TrainerPlan:
+    return TrainerPlan(
+        model_dir=model_dir,
         run_dir=str(run_dir),
         ppo=_ppo_config(config, bound, run_dir),
         vision=_is_vision_task(config.task),
@@ -430,15 +515,6 @@ def plan(
         pad_token_id=pad_token_id,
         checkpoint_labels=dict(checkpoint_labels or {}),
         consumed_ids_kept=consumed_ids_kept(config),
-    )
-    return RunPlan(
-        queue_maxsize=queue_maxsize(config),
-        replicas=replicas,
-        trainer=trainer,
-        ray_num_cpus=ray_num_cpus(config),
-        steps=config.steps,
-        resume=resume,
-        staleness=bound,
     )
 
 
@@ -500,6 +576,7 @@ def _replica_plans(
             resources=parse_resources(config.rollout_resources),
             requeued=requeued[i],
             staleness=bound,
+            eval=_eval_plan(config, resume, i, len(shares), model.eos_token_ids),
         )
         for i, share in enumerate(shares)
     )

@@ -1,7 +1,7 @@
 """Rollout metrics of N replicas as one set: totals, means and maxima, plus each replica's own.
 
-Each rollout actor reports `Rollouter.metrics()` (design.md's names), its event loop's lag and
-`rollout/failed`. The run's figure for a name is:
+Each rollout actor reports `Rollouter.metrics()` (named in `rollout_engine.metrics`), its
+event loop's lag and `rollout/failed`. The run's figure for a name is:
 
 - a sum for amounts of the whole run (`rollout/active_tasks`, `rollout/failed`, `tokens/s`,
   `rollout/resume_*`);

@@ -80,7 +80,7 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class TinyVLSpec:
-    """Sizes of the tiny model. Text: as the default tiny Qwen2 (design.md); vision: one or
+    """Sizes of the tiny model. Text: as the default tiny Qwen2 (`tiny_models`); vision: one or
     two ViT blocks of width `vision_embed_dim`. `min_pixels`/`max_pixels` bound the resized
     image (56 x 56 .. 112 x 112 by default: 4 to 16 image tokens)."""
 
@@ -140,12 +140,7 @@ def build_tiny_qwen2_vl(
     """Create (or reuse) a tiny random-init Qwen2-VL with tokenizer and processor in
     `directory` (float32, tied embeddings, ~150k parameters). Returns the directory."""
     import torch
-    from transformers import (
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessor,
-        Qwen2VLProcessor,
-    )
+    from transformers import Qwen2VLForConditionalGeneration
 
     spec = spec or TinyVLSpec()
     directory = Path(directory)
@@ -154,9 +149,27 @@ def build_tiny_qwen2_vl(
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_vl_tokenizer()
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_SPECIAL_TOKENS}
-    config = Qwen2VLConfig(
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(_qwen2_vl_config(spec, len(tokenizer), ids))
+    model = model.to(torch.float32)
+    model.generation_config.eos_token_id = ids[IM_END]
+    model.generation_config.pad_token_id = ids[PAD_TOKEN]
+    model.generation_config.bos_token_id = ids[PAD_TOKEN]
+    model.save_pretrained(directory)
+    _processor(spec, tokenizer).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("created tiny Qwen2-VL (%d parameters) in %s", n_params, directory)
+    return directory
+
+
+def _qwen2_vl_config(spec: TinyVLSpec, vocab_size: int, ids: dict[str, int]) -> Any:
+    """The model config of `spec`; `ids` are the special tokens' ids."""
+    from transformers import Qwen2VLConfig
+
+    return Qwen2VLConfig(
         text_config={
-            "vocab_size": len(tokenizer),
+            "vocab_size": vocab_size,
             "hidden_size": spec.hidden_size,
             "intermediate_size": spec.ffn_size,
             "num_hidden_layers": spec.num_layers,
@@ -191,29 +204,24 @@ def build_tiny_qwen2_vl(
         tie_word_embeddings=True,
         dtype="float32",
     )
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
-    model.generation_config.eos_token_id = ids[IM_END]
-    model.generation_config.pad_token_id = ids[PAD_TOKEN]
-    model.generation_config.bos_token_id = ids[PAD_TOKEN]
+
+
+def _processor(spec: TinyVLSpec, tokenizer: Any) -> Any:
+    """The image/video processor and chat template of `spec`, around `tokenizer`."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
+
     image_processor = Qwen2VLImageProcessor(
         size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
         patch_size=spec.patch_size,
         temporal_patch_size=spec.temporal_patch_size,
         merge_size=spec.spatial_merge_size,
     )
-    processor = Qwen2VLProcessor(
+    return Qwen2VLProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
         video_processor=_video_processor(spec),
         chat_template=CHAT_TEMPLATE,
     )
-    model.save_pretrained(directory)
-    processor.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    n_params = sum(p.numel() for p in model.parameters())
-    logger.info("created tiny Qwen2-VL (%d parameters) in %s", n_params, directory)
-    return directory
 
 
 def _video_processor(spec: TinyVLSpec) -> Any:
@@ -301,11 +309,8 @@ def vision_policy_class() -> type:
             mm_token_type_ids: torch.Tensor | None = None,
             **kwargs: Any,
         ) -> Any:
-            if (
-                pixel_values is None
-                or input_ids is None
-                or kwargs.get("past_key_values") is not None
-            ):
+            cached = kwargs.get("past_key_values") is not None  # generating: the parent handles it
+            if pixel_values is None or input_ids is None or cached:
                 return super().forward(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
@@ -314,26 +319,8 @@ def vision_policy_class() -> type:
                     mm_token_type_ids=mm_token_type_ids,
                     **kwargs,
                 )
-            config = self.config
-            types = image_placeholder_types(
-                input_ids,
-                image_grid_thw,
-                image_token_id=config.image_token_id,
-                vision_start_token_id=config.vision_start_token_id,
-                vision_end_token_id=config.vision_end_token_id,
-                merge_size=config.vision_config.spatial_merge_size,
-            )
-            embeds = self.get_input_embeddings()(input_ids)
-            features = self.model.get_image_features(pixel_values, image_grid_thw, return_dict=True)
-            image_embeds = _concat(features.pooler_output).to(embeds.device, embeds.dtype)
-            mask = (types == 1).unsqueeze(-1).expand_as(embeds)
-            if int(mask.sum()) != image_embeds.numel():
-                raise ValueError(
-                    f"{int((types == 1).sum())} image tokens for {image_embeds.shape[0]} features"
-                )
-            embeds = embeds.masked_scatter(mask, image_embeds)
-            position_ids, _ = self.model.get_rope_index(
-                input_ids, types, image_grid_thw=image_grid_thw, attention_mask=attention_mask
+            embeds, position_ids = _image_inputs(
+                self, input_ids, attention_mask, pixel_values, image_grid_thw
             )
             kwargs.setdefault("use_cache", False)
             return super().forward(
@@ -351,6 +338,39 @@ def vision_policy_class() -> type:
         overwrite=True,
     )
     return Qwen2VLPolicy
+
+
+def _image_inputs(
+    policy: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    pixel_values: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`policy`'s input embeddings with each image's features merged into its placeholder
+    run, and the M-RoPE position ids of the batch."""
+    config = policy.config
+    types = image_placeholder_types(
+        input_ids,
+        image_grid_thw,
+        image_token_id=config.image_token_id,
+        vision_start_token_id=config.vision_start_token_id,
+        vision_end_token_id=config.vision_end_token_id,
+        merge_size=config.vision_config.spatial_merge_size,
+    )
+    embeds = policy.get_input_embeddings()(input_ids)
+    features = policy.model.get_image_features(pixel_values, image_grid_thw, return_dict=True)
+    image_embeds = _concat(features.pooler_output).to(embeds.device, embeds.dtype)
+    mask = (types == 1).unsqueeze(-1).expand_as(embeds)
+    if int(mask.sum()) != image_embeds.numel():
+        raise ValueError(
+            f"{int((types == 1).sum())} image tokens for {image_embeds.shape[0]} features"
+        )
+    embeds = embeds.masked_scatter(mask, image_embeds)
+    position_ids, _ = policy.model.get_rope_index(
+        input_ids, types, image_grid_thw=image_grid_thw, attention_mask=attention_mask
+    )
+    return embeds, position_ids
 
 
 def _concat(features: Any) -> torch.Tensor:

@@ -38,7 +38,13 @@ if TYPE_CHECKING:
         rloo_advantages,
     )
     from ppo_trainer.batch import PackedBatch, pack_batch
-    from ppo_trainer.distributed import DataParallel, DPStrategy, GroupShard, shard_groups
+    from ppo_trainer.distributed import (
+        DataParallel,
+        DPStrategy,
+        GroupShard,
+        listen_for_ranks,
+        shard_groups,
+    )
     from ppo_trainer.losses import (
         aggregate_loss,
         entropy_from_logits,
@@ -91,6 +97,7 @@ __all__ = [
     "grpo_advantages",
     "iterate_batch_source",
     "kl_penalty",
+    "listen_for_ranks",
     "lr_multiplier",
     "masked_mean",
     "masked_whiten",
@@ -118,6 +125,7 @@ _LAZY = {
     "DPStrategy": "distributed",
     "GroupShard": "distributed",
     "shard_groups": "distributed",
+    "listen_for_ranks": "distributed",
     "aggregate_loss": "losses",
     "entropy_from_logits": "losses",
     "kl_penalty": "losses",

@@ -157,14 +157,8 @@ def pack_batch(
     response_mask = torch.zeros((batch, length - 1), dtype=torch.float32)
     behav_logp = torch.zeros((batch, length - 1), dtype=torch.float32)
     for row, traj in enumerate(trajectories):
+        _check_trajectory(traj)
         n_prompt, n_resp = len(traj.prompt_token_ids), len(traj.response_ids)
-        if n_prompt < 1:
-            raise ValueError(f"trajectory {traj.response_id}: empty prompt")
-        if len(traj.behaviour_logprobs) != n_resp:
-            raise ValueError(
-                f"trajectory {traj.response_id}: {len(traj.behaviour_logprobs)} behaviour "
-                f"log-probs for {n_resp} response tokens"
-            )
         input_ids[row, : n_prompt + n_resp] = torch.tensor(
             [*traj.prompt_token_ids, *traj.response_ids], dtype=torch.long
         )
@@ -184,15 +178,31 @@ def pack_batch(
         seq_lens=torch.tensor(seq_lens, dtype=torch.long),
         mm_inputs=mm,
         rewards=torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float32),
-        on_policy=torch.tensor(
-            [
-                current_version is not None
-                and bool(t.generated_versions)
-                and all(v == current_version for v in t.generated_versions)
-                for t in trajectories
-            ],
-            dtype=torch.bool,
-        ),
+        on_policy=_on_policy(trajectories, current_version),
+    )
+
+
+def _check_trajectory(traj: Trajectory) -> None:
+    n_resp = len(traj.response_ids)
+    if len(traj.prompt_token_ids) < 1:
+        raise ValueError(f"trajectory {traj.response_id}: empty prompt")
+    if len(traj.behaviour_logprobs) != n_resp:
+        raise ValueError(
+            f"trajectory {traj.response_id}: {len(traj.behaviour_logprobs)} behaviour "
+            f"log-probs for {n_resp} response tokens"
+        )
+
+
+def _on_policy(trajectories: Sequence[Trajectory], current_version: int | None) -> torch.Tensor:
+    """Per row: every response token carries `current_version` (None: no row is)."""
+    return torch.tensor(
+        [
+            current_version is not None
+            and bool(t.generated_versions)
+            and all(v == current_version for v in t.generated_versions)
+            for t in trajectories
+        ],
+        dtype=torch.bool,
     )
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -37,6 +38,7 @@ __all__ = [
     "DPStrategy",
     "DataParallel",
     "GroupShard",
+    "listen_for_ranks",
     "masked_whiten_global",
     "shard_groups",
 ]
@@ -152,24 +154,39 @@ class DataParallel:
         backend: str | None = None,
         strategy: DPStrategy = "auto",
         timeout_s: float = 600.0,
+        store_socket: socket.socket | None = None,
     ) -> DataParallel:
         """`dist.init_process_group` (gloo on CPU, NCCL when CUDA is available) + a rank.
 
         `init_method` e.g. `"tcp://10.0.0.1:29500"` (rank 0's address; any free port);
-        None reads MASTER_ADDR / MASTER_PORT from the environment.
+        None reads MASTER_ADDR / MASTER_PORT from the environment. `store_socket` (rank 0,
+        with `tcp://`): the socket `listen_for_ranks` opened at that address, which rank 0's
+        store serves on (the store torch makes itself listens on every interface, and a
+        port picked then released can be taken before it is bound again). The store
+        authenticates no one and `broadcast_object` unpickles: keep it on loopback when
+        every rank is on one machine.
         """
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local % max(torch.cuda.device_count(), 1))
-        dist.init_process_group(
-            backend,
-            init_method=init_method or "env://",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        if init_method is not None and init_method.startswith("tcp://"):
+            store = _tcp_store(init_method, rank, world_size, timeout, store_socket)
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
+        else:
+            if store_socket is not None:
+                raise ValueError("store_socket needs a tcp:// init_method (its address)")
+            dist.init_process_group(
+                backend,
+                init_method=init_method or "env://",
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+            )
         return cls(strategy=strategy)
 
     @property
@@ -344,6 +361,49 @@ class DataParallel:
 
     def _object_device(self) -> torch.device | None:
         return self.device if self.backend == "nccl" else None
+
+
+def listen_for_ranks(host: str = "127.0.0.1") -> socket.socket:
+    """A TCP socket listening on `host` alone, on a port the OS picks: rank 0 passes it to
+    `DataParallel.init(store_socket=...)` and tells the other ranks its address
+    (`tcp://host:port`, `socket.getsockname()`). It stays open from the moment the port is
+    picked, so no other process can take the port in between."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _tcp_store(
+    init_method: str,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    store_socket: socket.socket | None,
+) -> dist.Store:
+    """The group's store at `tcp://host:port`: rank 0 serves it (on `store_socket` if given),
+    the others connect. Prefixed as torch's own `tcp://` rendezvous prefixes it, so ranks
+    that join through `dist.init_process_group(init_method=...)` meet these."""
+    from urllib.parse import urlparse
+
+    address = urlparse(init_method)
+    if address.hostname is None or address.port is None:
+        raise ValueError(f"init_method {init_method!r}: expected tcp://host:port")
+    options: dict[str, Any] = {"wait_for_workers": False, "multi_tenant": True}
+    if store_socket is not None:
+        if rank != 0:
+            raise ValueError("store_socket is rank 0's (it serves the store)")
+        if store_socket.getsockname()[1] != address.port:
+            raise ValueError(f"store_socket is not listening at {init_method}")
+        # The store owns the descriptor from here (it closes it): detach it from `sock`.
+        options = {"wait_for_workers": False, "master_listen_fd": store_socket.detach()}
+    store = dist.TCPStore(address.hostname, address.port, world_size, rank == 0, timeout, **options)
+    return dist.PrefixStore("default_pg", store)
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

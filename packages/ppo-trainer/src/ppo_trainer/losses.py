@@ -148,6 +148,8 @@ def kl_penalty(
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
+# Over 60 lines on purpose: the loss reads top to bottom like the formula in its docstring
+# (clip, dual clip, importance weight, aggregate); split up, the numerics would be harder to check.
 def policy_loss(
     logp: torch.Tensor,
     prox_logp: torch.Tensor,

@@ -299,37 +299,19 @@ class PPOTrainer:
         if weight_sink is not None:
             self._pusher.sink = weight_sink
         if self._dp is not None and not self._dp.is_leader:
-            self._running = True
-            try:
-                return await self._follow()
-            finally:
-                self._running = False
+            return await self._follow_while_running()
         if source is None:
             raise ValueError("train() needs a source (only data-parallel ranks > 0 take None)")
-        self._running = True
-        self._loop = asyncio.get_running_loop()
-        self._stop_event = asyncio.Event()
-        if self._stop_requested:
-            self._stop_event.set()
+        self._begin_training()
         iterator = iterate_groups(
             source, self.config.batch_size, lambda: self._version, end_of_stream
         )
         tally = _Tally()
-        self._dp_end_due = self._dp is not None
         try:
             await self._train_loop(iterator, tally)
             await self._pusher.finish()
         finally:
-            if self._dp is not None and self._dp_end_due:
-                # Release the other ranks (also after a source error; not after a failed
-                # step, whose collectives may have left them waiting elsewhere).
-                self._dp_end_due = False
-                await self._in_worker(self._dp.broadcast_object, _DPEnd(tally.reason))
-            await self._pusher.abandon(self._version)
-            self._running = False
-            self._stop_requested = False
-            self._stop_event = None
-            self._loop = None
+            await self._end_training(tally)
         logger.info(
             "training ended (%s) after %d steps, version %d",
             tally.reason,
@@ -337,6 +319,34 @@ class PPOTrainer:
             self._version,
         )
         return tally.summary(self._step, self._version, self._latest)
+
+    async def _follow_while_running(self) -> TrainSummary:
+        self._running = True
+        try:
+            return await self._follow()
+        finally:
+            self._running = False
+
+    def _begin_training(self) -> None:
+        self._running = True
+        self._loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        if self._stop_requested:
+            self._stop_event.set()
+        self._dp_end_due = self._dp is not None
+
+    async def _end_training(self, tally: _Tally) -> None:
+        """Release the other ranks and the weight pusher; ready for the next `train()`."""
+        if self._dp is not None and self._dp_end_due:
+            # Release the other ranks (also after a source error; not after a failed
+            # step, whose collectives may have left them waiting elsewhere).
+            self._dp_end_due = False
+            await self._in_worker(self._dp.broadcast_object, _DPEnd(tally.reason))
+        await self._pusher.abandon(self._version)
+        self._running = False
+        self._stop_requested = False
+        self._stop_event = None
+        self._loop = None
 
     async def _train_loop(self, iterator: AsyncIterator[list[Trajectory]], tally: _Tally) -> None:
         """Collect a batch and train on it until the end of the stream, a stop or

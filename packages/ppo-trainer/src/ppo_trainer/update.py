@@ -11,7 +11,7 @@ import os
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -384,21 +384,9 @@ class PolicyUpdater:
         )
         metrics = {k: float(v) for k, v in pg_metrics.items()}
         if self.value_head is not None:
-            assert hidden is not None and micro.returns is not None
-            assert micro.old_values is not None
-            values = self._values(hidden)
-            vf_loss, vf_metrics = value_loss(
-                values,
-                micro.old_values.to(self.device),
-                micro.returns.to(self.device),
-                mask,
-                clip_eps=cfg.value_clip,
-                loss_agg=cfg.loss_agg,
-                **agg,
-            )
+            vf_loss, vf_metrics = self._value_loss(micro, hidden, mask, agg)
             loss = loss + cfg.vf_coef * vf_loss
-            metrics["value_loss"] = float(vf_loss.detach())
-            metrics.update({k: float(v) for k, v in vf_metrics.items()})
+            metrics.update(vf_metrics)
         if cfg.entropy_coef != 0.0:
             entropy = entropy_from_logits(logits)
             loss = loss - cfg.entropy_coef * aggregate_loss(entropy, mask, cfg.loss_agg, **agg)
@@ -413,6 +401,29 @@ class PolicyUpdater:
             loss = loss + cfg.kl_coef * aggregate_loss(kl, mask, cfg.loss_agg, **agg)
             metrics["kl_ref"] = float(masked_mean(kl.detach(), mask))
         return loss, metrics, float(mask.sum().item()), logp.detach()
+
+    def _value_loss(
+        self,
+        micro: PackedBatch,
+        hidden: torch.Tensor | None,
+        mask: torch.Tensor,
+        agg: dict[str, Any],
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The value head's clipped loss on `micro` and its metrics (`value_loss` first)."""
+        assert hidden is not None and micro.returns is not None
+        assert micro.old_values is not None
+        vf_loss, vf_metrics = value_loss(
+            self._values(hidden),
+            micro.old_values.to(self.device),
+            micro.returns.to(self.device),
+            mask,
+            clip_eps=self.config.value_clip,
+            loss_agg=self.config.loss_agg,
+            **agg,
+        )
+        metrics = {"value_loss": float(vf_loss.detach())}
+        metrics.update({k: float(v) for k, v in vf_metrics.items()})
+        return vf_loss, metrics
 
     def _values(self, hidden: torch.Tensor) -> torch.Tensor:
         """V for each per-token position: the head on the hidden state that predicts it."""

@@ -21,6 +21,7 @@ from rollout_engine.episode import (
     run_blocking,
     run_in_process,
 )
+from rollout_engine.evaluation import EvalResult, pass_at_k
 from rollout_engine.group_filter import GroupFilter, ZeroVarianceFilter
 from rollout_engine.rollouter import (
     FailedGroup,
@@ -61,6 +62,7 @@ __all__ = [
     "Environment",
     "EnvironmentFactory",
     "EpisodeConfig",
+    "EvalResult",
     "FailedGroup",
     "GenerationEngine",
     "GroupFilter",
@@ -91,6 +93,7 @@ __all__ = [
     "ZeroVarianceFilter",
     "environment_reward",
     "load_snapshot",
+    "pass_at_k",
     "run_blocking",
     "run_in_process",
     "save_snapshot",

@@ -4,7 +4,7 @@ Notation: `v` is the policy version the rollouter last heard of (`on_weights`), 
 the version it started at; `S = batch_size * sync_every` is the number of groups the trainer
 consumes per weight version; `delivered` and `in_flight` count groups.
 
-Budget (design.md): the rollouter may admit a new group while
+Budget (docs/architecture.md, the staleness model): the rollouter may admit a new group while
 
     budget = (k + 1 + v) * S - (delivered + in_flight) > 0
 
@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 __all__ = [
+    "Admission",
     "AdmissionPolicy",
+    "Blocker",
     "EagerPacing",
     "FreshPacing",
     "PacingName",
@@ -44,6 +46,11 @@ __all__ = [
 ]
 
 PacingName = Literal["eager", "fresh"]
+
+# Why the dispatch loop does not admit its next item now: a weight push (or snapshot) holds
+# it paused, the staleness budget is spent, `max_concurrency` groups run (or restored groups
+# must finish first), or new prompts are held (`hold_new_prompts`).
+Blocker = Literal["paused", "budget", "concurrency", "held"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,3 +222,107 @@ def make_pacing(
     if name == "fresh":
         return FreshPacing(samples_per_version, max_concurrency, margin=margin)
     raise ValueError(f"unknown pacing {name!r}; expected 'eager' or 'fresh'")
+
+
+class _AdmissionConfig(Protocol):
+    @property
+    def groups_per_version(self) -> int: ...
+
+    @property
+    def max_concurrency(self) -> int: ...
+
+    @property
+    def generation_only(self) -> bool: ...
+
+    @property
+    def pacing(self) -> PacingName: ...
+
+    @property
+    def pacing_margin(self) -> float: ...
+
+
+class Admission:
+    """One rollouter's admission rule: the staleness budget of `bound`, paced (`pacing`),
+    and the concurrency limit; `generation_only` drops the budget (nothing consumes
+    versions)."""
+
+    def __init__(
+        self,
+        bound: StalenessBound,
+        pacing: PacingPolicy,
+        *,
+        groups_per_version: int,
+        max_concurrency: int,
+        generation_only: bool,
+        base_version: int,
+    ) -> None:
+        self._bound = bound
+        self.pacing = pacing
+        self._policy = AdmissionPolicy(
+            bound.max_staleness, groups_per_version, base_version=base_version
+        )
+        self._max_concurrency = max_concurrency
+        self._generation_only = generation_only
+
+    @classmethod
+    def for_config(
+        cls,
+        config: _AdmissionConfig,
+        bound: StalenessBound,
+        pacing: PacingPolicy | None,
+        base_version: int,
+    ) -> Admission:
+        """From a `RolloutConfig`; `pacing` overrides the policy it names."""
+        if pacing is None:
+            pacing = make_pacing(
+                config.pacing,
+                config.groups_per_version,
+                config.max_concurrency,
+                margin=config.pacing_margin,
+            )
+        return cls(
+            bound,
+            pacing,
+            groups_per_version=config.groups_per_version,
+            max_concurrency=config.max_concurrency,
+            generation_only=config.generation_only,
+            base_version=base_version,
+        )
+
+    @property
+    def lookahead(self) -> int:
+        """Versions beyond the current one that admission may run ahead (pacing, <= k)."""
+        return self.pacing.lookahead(self._bound.max_staleness)
+
+    def budget(self, version: int, consumed: int, in_flight: int) -> int:
+        """Groups that may still be admitted at `version`, with `consumed` slots used by
+        groups no longer in flight (see the module docstring)."""
+        return self._policy.budget(version, consumed, in_flight, lookahead=self.lookahead)
+
+    def blocker(
+        self,
+        *,
+        paused: bool,
+        version: int,
+        consumed: int,
+        in_flight: int,
+        restored_first: bool,
+        held: bool,
+    ) -> Blocker | None:
+        """What keeps the next item out now, or None to admit it. `restored_first`: it is a
+        new prompt while restored groups still run; `held`: it is a new prompt while new
+        prompts are held."""
+        if paused:
+            return "paused"
+        if not self._generation_only and self.budget(version, consumed, in_flight) <= 0:
+            return "budget"
+        if in_flight >= self._max_concurrency:
+            return "concurrency"
+        if restored_first:
+            # Restored groups (a resume or a restart) finish before any new prompt starts:
+            # their oldest tokens may be k versions old, so they must reach the queue ahead
+            # of new groups or be dropped as too stale with every token they carry.
+            return "concurrency"
+        if held:
+            return "held"  # another rollouter's restored groups go first
+        return None

@@ -1,7 +1,7 @@
 """One GRPO group: preprocess, generate `n` responses (continuing aborted ones), score.
 
 The rollouter runs one `GroupRunner.run(job)` per admitted prompt as an asyncio task; the
-staleness check and the delivery to the sink stay in the rollouter.
+staleness check and the delivery to the sink live in `rollout_engine.delivery`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_engine.continuation import PartialResponse, continue_aborted
+from rollout_engine.snapshot import GroupSnapshot
 from rollout_engine.types import (
     Completion,
     GenerationEngine,
@@ -62,6 +63,26 @@ class GroupJob:
     admitted_at: float  # rollouter clock, for durations
     # A group restored from a snapshot: its responses so far (unfinished ones continue).
     restored: tuple[PartialResponse, ...] | None = None
+
+    @classmethod
+    def admit(
+        cls, item: PromptSample | GroupSnapshot, *, index: int, version: int, admitted_at: float
+    ) -> GroupJob:
+        """The job of a new prompt (its group id numbered by `index`, the admissions so far)
+        or of a restored group (its id kept, its responses continued)."""
+        if isinstance(item, GroupSnapshot):
+            sample, group_id = item.sample, item.group_id
+            restored = tuple(r.to_partial() for r in item.responses) or None
+        else:
+            sample, group_id, restored = item, f"{item.prompt_id}:{index}", None
+        return cls(
+            sample=sample,
+            group_id=group_id,
+            version=version,
+            admitted_wall=time.time(),
+            admitted_at=admitted_at,
+            restored=restored,
+        )
 
 
 @dataclass(frozen=True, slots=True)

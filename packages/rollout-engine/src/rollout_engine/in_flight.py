@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
+from rollout_engine.continuation import PartialResponse
 from rollout_engine.group import GroupJob
 from rollout_engine.metrics import GroupOutcome
+from rollout_engine.snapshot import GroupSnapshot, ResponseSnapshot
 
 __all__ = ["GroupTask", "InFlightGroups"]
 
@@ -38,12 +41,63 @@ class InFlightGroups:
         self.tasks.add(task)
         self._jobs[task] = job
 
-    def jobs(self) -> list[tuple[GroupTask, GroupJob]]:
-        return list(self._jobs.items())
+    def snapshot(
+        self,
+        responses_of: Callable[[str], Sequence[PartialResponse] | None],
+        sampling_seed: int | None,
+    ) -> list[GroupSnapshot]:
+        """The groups still running, each with its responses so far (`responses_of`, the
+        group runner's live view; a restored group not yet sent keeps its restored ones)."""
+        groups: list[GroupSnapshot] = []
+        for task, job in self._jobs.items():
+            if task.done():  # delivered, dropped or failed: reaped soon, not in flight
+                continue
+            live = responses_of(job.group_id)
+            responses = live if live is not None else job.restored
+            groups.append(
+                GroupSnapshot(
+                    group_id=job.group_id,
+                    sample=job.sample,
+                    admitted_version=job.version,
+                    sampling_seed=sampling_seed,
+                    responses=[ResponseSnapshot.of(r) for r in responses or ()],
+                )
+            )
+        return groups
 
     def restored_running(self) -> bool:
         """Whether a group restored from a snapshot is still in flight."""
         return any(job.restored for job in self._jobs.values())
+
+    async def wait_first(
+        self,
+        events: Iterable[asyncio.Event],
+        futures: Iterable[asyncio.Future[Any]] = (),
+        at_most_s: float | None = None,
+    ) -> None:
+        """Wait for the first of: a task finishing, one of `events` set, one of `futures`
+        done, or `at_most_s` seconds. Give at least one event (the wait needs something)."""
+        waiters = [asyncio.ensure_future(event.wait()) for event in events]
+        try:
+            await asyncio.wait(
+                {*self.tasks, *futures, *waiters},
+                timeout=at_most_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+
+    async def cancel_all(self, timeout_s: float) -> set[GroupTask]:
+        """Cancel every task and wait up to `timeout_s` for them to unwind; returns those
+        that have not (they stay in `tasks`: see `abandon`)."""
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        if not tasks:
+            return set()
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        return pending
 
     def any_done(self) -> bool:
         return any(task.done() for task in self.tasks)

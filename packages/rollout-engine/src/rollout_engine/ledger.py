@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from rollout_engine.failures import FailureStreak, RepeatedFailureLog, RolloutFailed
 from rollout_engine.group import GroupJob
-from rollout_engine.metrics import FailedGroup, GroupOutcome, RolloutCounters
+from rollout_engine.metrics import FailedGroup, GroupOutcome, RolloutCounters, RolloutStats
 
 __all__ = ["GroupLedger", "is_cancellation"]
 
@@ -128,6 +128,67 @@ class GroupLedger:
         if fatal is not None:
             logger.error("giving up: %s", fatal)
             self.fatal = fatal
+
+    def record_abandoned(self, jobs: Iterable[GroupJob], timeout_s: float, stopping: bool) -> None:
+        """Count groups whose cancelled tasks did not unwind within `timeout_s` as failed
+        (cancelled); their tasks are left to end on their own."""
+        abandoned = 0
+        for job in jobs:
+            error = asyncio.CancelledError(f"stopped; did not unwind within {timeout_s} s")
+            self.record_failure(job, error, stopping)
+            abandoned += 1
+        if abandoned:
+            logger.warning(
+                "%d group tasks did not unwind within stop_timeout_s=%s after cancel; "
+                "counted as failed and left to end on their own",
+                abandoned,
+                timeout_s,
+            )
+
+    def stats(
+        self,
+        *,
+        in_flight: int,
+        version: int,
+        budget: int,
+        state: str,
+        lookahead: int,
+        elapsed_s: float,
+        idle_s: float,
+        restored: int,
+        restore_dropped: int,
+        restore_dropped_tokens: int,
+    ) -> RolloutStats:
+        """The books as `RolloutStats`, with the figures of the moment that the rollouter
+        owns (passed in)."""
+        counters = self.counters
+        return RolloutStats(
+            admitted=counters.admitted,
+            delivered=counters.delivered,
+            failed=counters.failed,
+            dropped=counters.dropped,
+            filtered=counters.filtered,
+            in_flight=in_flight,
+            version=version,
+            budget=budget,
+            state=state,
+            trajectories=counters.trajectories,
+            partial=counters.partial,
+            resumed=counters.resumed,
+            generated_tokens=counters.generated_tokens,
+            elapsed_s=elapsed_s,
+            idle_s=idle_s,
+            drain_interrupt_ms=counters.last_drain_interrupt_ms,
+            drain_interrupt_ms_max=counters.drain_interrupt_ms_max,
+            staleness_mean=counters.staleness_mean,
+            staleness_max=counters.staleness_max,
+            downstream_dropped=self.downstream_dropped,
+            lookahead=lookahead,
+            failure_counts=dict(self.failure_counts),
+            restored=restored,
+            restore_dropped=restore_dropped,
+            restore_dropped_tokens=restore_dropped_tokens,
+        )
 
     def count_requeued(self, count: int) -> None:
         if count < 0:

@@ -1,6 +1,6 @@
 """Counters, idle-time accounting and the metric names of the rollouter.
 
-Metric names are part of the interface (design.md):
+Metric names are part of the interface:
 
 - `rollout/idle_ratio`: idle seconds / run seconds, where the rollouter is idle while a weight
   push holds it paused (from `pause()` to `on_weights()`: nothing generates new tokens for
@@ -43,6 +43,7 @@ __all__ = [
     "RolloutCounters",
     "RolloutStats",
     "count_partial",
+    "metric_values",
 ]
 
 # 2: `FailedGroup.sample_id` became `prompt_id` (it always held the prompt's id).
@@ -214,6 +215,23 @@ class RolloutCounters:
     @property
     def last_drain_interrupt_ms(self) -> float:
         return self.drain_interrupts_ms[-1] if self.drain_interrupts_ms else 0.0
+
+
+def metric_values(stats: RolloutStats) -> dict[str, float]:
+    """The metrics of `stats` under their interface names (see the module docstring)."""
+    elapsed = stats.elapsed_s
+    trajectories = stats.trajectories
+    return {
+        "rollout/idle_ratio": stats.idle_s / elapsed if elapsed > 0 else 0.0,
+        "rollout/active_tasks": float(stats.in_flight),
+        "rollout/partial_ratio": stats.partial / trajectories if trajectories else 0.0,
+        "rollout/drain_interrupt_ms": stats.drain_interrupt_ms,
+        "rollout/pacing_lookahead": float(stats.lookahead),
+        "rollout/filtered_groups": float(stats.filtered),
+        "staleness/mean": stats.staleness_mean,
+        "staleness/max": float(stats.staleness_max),
+        "tokens/s": stats.generated_tokens / elapsed if elapsed > 0 else 0.0,
+    }
 
 
 def count_partial(token_versions: Sequence[Sequence[int]]) -> int:

@@ -12,57 +12,51 @@ Dispatch loop (`run`), one iteration:
 4. otherwise wait on `active | {resume}` with `FIRST_COMPLETED`: a finished task or
    `on_weights()` ends the wait at once. The loop never waits for the slowest sequence.
 
-Async rules (design.md): counters and the task set are changed under `asyncio.Lock` in short
-critical sections with no await inside; the lock is never held while waiting on generation.
-"Running vs paused" is the `asyncio.Event` `_running`: cleared by `pause()` (weight push) and
-when the budget is exhausted, set by `on_weights()`. Weight pushes are serialized by a second
-lock that the dispatch loop never takes.
+Async rules (docs/architecture.md): counters and the task set are changed under
+`asyncio.Lock` in short critical sections with no await inside; the lock is never held while
+waiting on generation. "Admitting vs paused" is the weight gate's `asyncio.Event`
+`admitting`: cleared by `pause()` (weight push) and when the budget is exhausted, set by
+`on_weights()`. Weight pushes are serialized by a second lock that the dispatch loop never
+takes.
 
-Staleness: see `rollout_engine.admission` for the budget `(j + 1 + v) * batch_size *
-sync_every - (delivered + in_flight)`, where the pacing policy's lookahead `j <= k` (eager:
-j = k; fresh, the default: the smallest j that keeps the consumer fed), and for why groups
-are also checked (and dropped, counted) at delivery. Precisely: a finished group is judged
-against the current version immediately before `await sink.put(group)`, with no await in
-between, and dropped if too stale. The put itself may wait (a full queue) across weight
-pushes, and a group cannot be recalled once handed over, so no drop happens after it; the
-staleness recorded for `staleness/mean|max` is measured again when the put returns, at the
-version then. It can exceed `max_staleness` in that case (the consumer's own check at
-consumption catches such a group); the metric reports what was actually delivered.
+Where the rest lives: the staleness budget and pacing in `admission`, one group's run,
+staleness check and delivery in `delivery`, the books in `ledger`, weight pushes in
+`weight_gate`, restored and held groups in `restore_queue`, the thread pools in `executors`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import warnings
 from collections import deque
 from collections.abc import AsyncIterable, Callable, Iterable
-from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Any
 
-from rollout_engine.admission import AdmissionPolicy, PacingPolicy, StalenessBound, make_pacing
+from rollout_engine.admission import Admission, Blocker, PacingPolicy, StalenessBound
 from rollout_engine.config import LoopState, RolloutConfig
-from rollout_engine.continuation import PartialResponse
-from rollout_engine.episode import EnvironmentFactory, EpisodeConfig, EpisodeRunner
+from rollout_engine.delivery import GroupDelivery
+from rollout_engine.episode import EnvironmentFactory, EpisodeConfig
+from rollout_engine.evaluation import DEFAULT_EVAL_CONCURRENCY, EvalResult, EvalSetup, evaluate
+from rollout_engine.executors import RolloutExecutors
 from rollout_engine.failures import RolloutFailed
 from rollout_engine.group import GroupJob
 from rollout_engine.group_filter import GroupFilter, make_group_filter
-from rollout_engine.in_flight import InFlightGroups
+from rollout_engine.in_flight import GroupTask, InFlightGroups
 from rollout_engine.ledger import GroupLedger, is_cancellation
-from rollout_engine.metrics import FailedGroup, GroupOutcome, IdleClock, RolloutStats, count_partial
+from rollout_engine.metrics import FailedGroup, IdleClock, RolloutStats, metric_values
 from rollout_engine.prompt_source import PromptSource
 from rollout_engine.restore_queue import RestoreQueue
-from rollout_engine.runners import make_group_runner
-from rollout_engine.snapshot import GroupSnapshot, ResponseSnapshot, RolloutSnapshot
+from rollout_engine.runners import close_group_runner, make_group_runner, settle_engine
+from rollout_engine.snapshot import GroupSnapshot, RolloutSnapshot
 from rollout_engine.stall_watch import StallWatch
 from rollout_engine.types import (
     GenerationEngine,
     MultiModalPreprocessor,
     PromptSample,
     RewardFn,
-    Trajectory,
+    SamplingConfig,
     TrajectorySink,
 )
 from rollout_engine.weight_gate import WeightGate
@@ -78,8 +72,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_Blocker = Literal["paused", "budget", "concurrency", "held"]
 
 
 def __getattr__(name: str) -> Any:
@@ -130,18 +122,14 @@ class Rollouter:
         group_filter: GroupFilter | None = None,
     ) -> None:
         self._engine = engine
-        self._sink = sink
         self._config = config = config if config is not None else RolloutConfig()
         self._bound = staleness_bound if staleness_bound is not None else config.staleness_bound
         self._clock = clock
-        self._prompts = PromptSource(prompts, self._prompt_executor)
+        self._executors = RolloutExecutors(config.reward_workers)
+        self._prompts = PromptSource(prompts, self._executors.prompts)
         self._init_prompt_tracking(prompts)
         self._gate = WeightGate(engine, engine.version)
-        self._admission = AdmissionPolicy(
-            self._bound.max_staleness, config.groups_per_version, base_version=engine.version
-        )
-        self._pacing = pacing if pacing is not None else self._default_pacing(config)
-        self._filter = group_filter or make_group_filter(config.filter_groups)
+        self._admission = Admission.for_config(config, self._bound, pacing, engine.version)
         self._ledger = GroupLedger.for_config(config, clock, on_failure)
         self._restore_queue = RestoreQueue(config.group_size)
         # Shared state; changed only under _lock, in critical sections without awaits.
@@ -153,9 +141,9 @@ class Rollouter:
         self._resumed_at: float | None = None
         self._idle = IdleClock()
         self._run_started = False
-        self._stall = StallWatch(config.stall_warning_s, _loop_time)
-        self._reward_pool: ThreadPoolExecutor | None = None
-        self._prompt_pool: ThreadPoolExecutor | None = None
+        self._stall = StallWatch(config.stall_warning_s)
+        # What `evaluate` reuses: the same reward path, preprocessor and multi-turn setup.
+        self._eval_setup = EvalSetup(reward_fn, preprocessor, environment, episode)
         self._groups = make_group_runner(
             engine,
             reward_fn,
@@ -167,7 +155,17 @@ class Rollouter:
             wait_until_resumed=self._gate.wait_live,
             on_resubmit=self._count_resubmit,
             clock=clock,
-            reward_executor=self._reward_executor,
+            reward_executor=self._executors.rewards,
+        )
+        self._delivery = GroupDelivery(
+            self._groups,
+            sink,
+            bound=self._bound,
+            group_filter=group_filter or make_group_filter(config.filter_groups),
+            version=lambda: self._gate.version,
+            clock=clock,
+            on_generated=self._admission.pacing.on_group_generated,
+            on_stale=self._give_back_stale if config.retry_stale else None,
         )
 
     def _init_prompt_tracking(self, prompts: object) -> None:
@@ -179,14 +177,11 @@ class Rollouter:
         self._exhausted = False  # the stream has no more prompts
         self._stale_retried = 0
 
-    @staticmethod
-    def _default_pacing(config: RolloutConfig) -> PacingPolicy:
-        return make_pacing(
-            config.pacing,
-            config.groups_per_version,
-            config.max_concurrency,
-            margin=config.pacing_margin,
-        )
+    def _give_back_stale(self, job: GroupJob) -> None:
+        """`retry_stale`: a group dropped as too stale at delivery; its prompt comes again."""
+        self._returned.append(job.sample)
+        self._stale_retried += 1
+        self._gate.admitting.set()  # the loop may be waiting with nothing pending
 
     # ------------------------------------------------------------------ public API
 
@@ -255,11 +250,8 @@ class Rollouter:
         self._set_state(self._final_state())
         self._idle.stop(self._clock())
         self._ledger.flush()
-        for pool in (self._reward_pool, self._prompt_pool):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
-        if isinstance(self._groups, EpisodeRunner):
-            self._groups.close()  # its tool pool
+        self._executors.shutdown()
+        close_group_runner(self._groups)
 
     async def stop(self) -> None:
         """Cancel every in-flight group (each becomes a failed group) and make `run()`
@@ -325,13 +317,7 @@ class Rollouter:
         engine resumed and admission reopened at the same version. The aborted responses
         continue as after an abort-mode push (counted in `resumed`)."""
         async with self._gate.paused_engine("abort", False, self.on_weights, self._refresh_idle):
-            try:
-                await asyncio.wait_for(self._groups.wait_engine_quiet(), settle_timeout_s)
-            except TimeoutError:
-                logger.warning(
-                    "snapshot: engine calls still outstanding after %.1f s; taken anyway",
-                    settle_timeout_s,
-                )
+            await settle_engine(self._groups, settle_timeout_s)
             await self._settle_fetch(settle_timeout_s)
             snapshot = self._build_snapshot()
         logger.info(
@@ -371,22 +357,7 @@ class Rollouter:
 
     def _build_snapshot(self) -> RolloutSnapshot:
         """The state now; no await, so it is one consistent moment."""
-        seed = self._config.sampling.seed
-        groups: list[GroupSnapshot] = []
-        for task, job in self._in_flight.jobs():
-            if task.done():  # delivered, dropped or failed: reaped soon, not in flight
-                continue
-            live = self._groups.responses_of(job.group_id)
-            responses = live if live is not None else job.restored
-            groups.append(
-                GroupSnapshot(
-                    group_id=job.group_id,
-                    sample=job.sample,
-                    admitted_version=job.version,
-                    sampling_seed=seed,
-                    responses=[ResponseSnapshot.of(r) for r in responses or ()],
-                )
-            )
+        groups = self._in_flight.snapshot(self._groups.responses_of, self._config.sampling.seed)
         # Restored groups not admitted yet are still in flight from the checkpoint's view.
         waiting = [self._pending] if isinstance(self._pending, GroupSnapshot) else []
         groups.extend([*waiting, *self._restore_queue.waiting()])
@@ -419,6 +390,40 @@ class Rollouter:
             await self._engine.load_weights(weights, version)
             resume.version = version
 
+    async def evaluate(
+        self,
+        prompts: Iterable[PromptSample],
+        sampling: SamplingConfig | None = None,
+        *,
+        n: int = 1,
+        reward_fn: RewardFn | None = None,
+        max_concurrency: int = DEFAULT_EVAL_CONCURRENCY,
+    ) -> EvalResult:
+        """Decode held-out `prompts` (`n` responses each, `sampling`, default the training
+        sampling) on this rollouter's engine and score them, beside the dispatch loop.
+
+        A separate admission class (`rollout_engine.evaluation`): nothing here is admitted,
+        delivered, put on the sink or counted in the staleness budget, the ledger, the pacing
+        or `stats()`. Requests go through the weight gate like training's (a push pauses and
+        continues them), rewards run in the same reward executor. `reward_fn` scores with
+        another function (a held-out set of another task; single-turn); by default the
+        rollouter's own (and its environment, for multi-turn). A group that fails is
+        reported in the result, never raised. Safe to call while `run()` runs, or without
+        it; concurrent evaluations are independent."""
+        return await evaluate(
+            list(prompts),
+            self._eval_setup,
+            engine=self._engine,
+            sampling=sampling if sampling is not None else self._config.sampling,
+            n=n,
+            reward_fn=reward_fn,
+            max_concurrency=max_concurrency,
+            wait_until_resumed=self._gate.wait_live,
+            version=self._gate.version,
+            clock=self._clock,
+            reward_executor=self._executors.rewards,
+        )
+
     def pause(self) -> None:
         """Stop admitting and hold aborted-request continuations until `on_weights()`.
 
@@ -433,7 +438,7 @@ class Rollouter:
         if self._state in ("draining", "paused"):
             self._resumed_at = self._clock()
         if self._gate.open(version):
-            self._pacing.on_version(self._clock())
+            self._admission.pacing.on_version(self._clock())
             self._stall.version_changed()
         self._refresh_idle()
 
@@ -446,36 +451,20 @@ class Rollouter:
     @property
     def lookahead(self) -> int:
         """Versions beyond the current one that admission may run ahead (pacing, <= k)."""
-        return self._pacing.lookahead(self._bound.max_staleness)
+        return self._admission.lookahead
 
     def stats(self) -> RolloutStats:
         """A snapshot; cheap and lock-free (safe to call while the loop waits)."""
         now = self._clock()
-        counters = self._ledger.counters
         restore = self._restore_queue
-        return RolloutStats(
-            admitted=counters.admitted,
-            delivered=counters.delivered,
-            failed=counters.failed,
-            dropped=counters.dropped,
-            filtered=counters.filtered,
+        return self._ledger.stats(
             in_flight=len(self._in_flight),
             version=self._gate.version,
             budget=self._budget(),
             state=self._state,
-            trajectories=counters.trajectories,
-            partial=counters.partial,
-            resumed=counters.resumed,
-            generated_tokens=counters.generated_tokens,
+            lookahead=self.lookahead,
             elapsed_s=self._idle.elapsed(now),
             idle_s=self._idle.idle(now),
-            drain_interrupt_ms=counters.last_drain_interrupt_ms,
-            drain_interrupt_ms_max=counters.drain_interrupt_ms_max,
-            staleness_mean=counters.staleness_mean,
-            staleness_max=counters.staleness_max,
-            downstream_dropped=self._ledger.downstream_dropped,
-            lookahead=self.lookahead,
-            failure_counts=dict(self._ledger.failure_counts),
             restored=restore.restored,
             restore_dropped=restore.dropped,
             restore_dropped_tokens=restore.dropped_tokens,
@@ -483,20 +472,7 @@ class Rollouter:
 
     def metrics(self) -> dict[str, float]:
         """The rollouter's metrics under their interface names (see `rollout_engine.metrics`)."""
-        stats = self.stats()
-        elapsed = stats.elapsed_s
-        return {
-            "rollout/idle_ratio": stats.idle_s / elapsed if elapsed > 0 else 0.0,
-            "rollout/active_tasks": float(stats.in_flight),
-            "rollout/partial_ratio": self._ledger.counters.partial_ratio,
-            "rollout/drain_interrupt_ms": stats.drain_interrupt_ms,
-            "rollout/pacing_lookahead": float(stats.lookahead),
-            "rollout/filtered_groups": float(stats.filtered),
-            "rollout/stale_retried": float(self._stale_retried),
-            "staleness/mean": stats.staleness_mean,
-            "staleness/max": float(stats.staleness_max),
-            "tokens/s": stats.generated_tokens / elapsed if elapsed > 0 else 0.0,
-        }
+        return {**metric_values(self.stats()), "rollout/stale_retried": float(self._stale_retried)}
 
     # ------------------------------------------------------------------ dispatch loop
 
@@ -539,32 +515,22 @@ class Rollouter:
             self._exhausted = True
         return sample
 
-    def _admission_blocker(self) -> _Blocker | None:
-        if self._gate.paused:
-            return "paused"
-        if not self._config.generation_only and self._budget() <= 0:
-            return "budget"
-        if len(self._in_flight) >= self._config.max_concurrency:
-            return "concurrency"
+    def _admission_blocker(self) -> Blocker | None:
         new_prompt = not isinstance(self._pending, GroupSnapshot)
-        if new_prompt and self._in_flight.restored_running():
-            # Restored groups (a resume or a restart) finish before any new prompt starts:
-            # their oldest tokens may be k versions old, so they must reach the queue ahead
-            # of new groups or be dropped as too stale with every token they carry.
-            return "concurrency"
-        if new_prompt and self._restore_queue.holding:
-            return "held"  # another rollouter's restored groups go first (hold_new_prompts)
-        return None
-
-    def _budget(self) -> int:
-        return self._admission.budget(
-            self._gate.version,
-            self._ledger.consumed_slots,
-            len(self._in_flight),
-            lookahead=self.lookahead,
+        return self._admission.blocker(
+            paused=self._gate.paused,
+            version=self._gate.version,
+            consumed=self._ledger.consumed_slots,
+            in_flight=len(self._in_flight),
+            restored_first=new_prompt and self._in_flight.restored_running(),
+            held=new_prompt and self._restore_queue.holding,
         )
 
-    async def _wait_while_blocked(self, blocker: _Blocker) -> None:
+    def _budget(self) -> int:
+        in_flight = len(self._in_flight)
+        return self._admission.budget(self._gate.version, self._ledger.consumed_slots, in_flight)
+
+    async def _wait_while_blocked(self, blocker: Blocker) -> None:
         if blocker == "concurrency":
             self._set_state("saturated")
             await self._wait_first()
@@ -597,17 +563,9 @@ class Rollouter:
         at_most_s: float | None = None,
     ) -> None:
         """Wait for the first of: an active task finishing, an event, a future, stop(), or
-        `at_most_s` seconds."""
-        waiters = [asyncio.ensure_future(e.wait()) for e in (*events, self._stop_requested)]
-        try:
-            await asyncio.wait(
-                {*self._in_flight.tasks, *futures, *waiters},
-                timeout=at_most_s,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
+        `at_most_s` seconds; then reap."""
+        events = (*events, self._stop_requested)
+        await self._in_flight.wait_first(events, futures, at_most_s)
         await self._reap_finished()
 
     async def _fetch_prompt(self) -> PromptSample | None:
@@ -626,23 +584,9 @@ class Rollouter:
 
     async def _dispatch(self, item: PromptSample | GroupSnapshot) -> None:
         async with self._lock:
-            if isinstance(item, GroupSnapshot):
-                restored: tuple[PartialResponse, ...] | None = tuple(
-                    r.to_partial() for r in item.responses
-                )
-                sample, group_id = item.sample, item.group_id
-            else:
-                restored, sample = None, item
-                group_id = f"{sample.prompt_id}:{self._ledger.counters.admitted}"
-            job = GroupJob(
-                sample=sample,
-                group_id=group_id,
-                version=self._gate.version,
-                admitted_wall=time.time(),
-                admitted_at=self._clock(),
-                restored=restored or None,
-            )
-            task = asyncio.create_task(self._run_group(job), name=f"rollout:{job.group_id}")
+            index, version = self._ledger.counters.admitted, self._gate.version
+            job = GroupJob.admit(item, index=index, version=version, admitted_at=self._clock())
+            task = asyncio.create_task(self._delivery.run(job), name=f"rollout:{job.group_id}")
             self._in_flight.add(task, job)
             self._ledger.admitted()
             self._gate.admitting.set()
@@ -662,100 +606,25 @@ class Rollouter:
             await self._wait_first()
 
     async def _cancel_in_flight(self) -> None:
-        tasks = list(self._in_flight.tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=self._config.stop_timeout_s)
-            if pending:
-                await self._abandon(pending)
+        pending = await self._in_flight.cancel_all(self._config.stop_timeout_s)
+        if pending:
+            await self._abandon(pending)
         await self._reap_finished()
 
-    async def _abandon(self, tasks: set[asyncio.Task[GroupOutcome]]) -> None:
+    async def _abandon(self, tasks: set[GroupTask]) -> None:
         """Give up on cancelled tasks that did not unwind within `stop_timeout_s`: count each
         as a failed (cancelled) group now and take it out of the in-flight set, so the books
         balance with `in_flight == 0`; each is left to end on its own."""
-        timeout = self._config.stop_timeout_s
         async with self._lock:
             abandoned = self._in_flight.abandon(tasks)
-            for job in abandoned:
-                error = asyncio.CancelledError(f"stopped; did not unwind within {timeout} s")
-                self._record_failure(job, error)
-        if abandoned:
-            logger.warning(
-                "%d group tasks did not unwind within stop_timeout_s=%s after cancel; "
-                "counted as failed and left to end on their own",
-                len(abandoned),
-                timeout,
-            )
+            stopping = self._stop_requested.is_set()
+            self._ledger.record_abandoned(abandoned, self._config.stop_timeout_s, stopping)
+            self._stop_if_fatal()
         self._refresh_idle()
-
-    # ------------------------------------------------------------------ one group
-
-    async def _run_group(self, job: GroupJob) -> GroupOutcome:
-        try:
-            return await self._run_group_inner(job)
-        finally:
-            self._groups.forget(job.group_id)
-
-    async def _run_group_inner(self, job: GroupJob) -> GroupOutcome:
-        trajectories = await self._groups.run(job)
-        self._pacing.on_group_generated(self._clock() - job.admitted_at)
-        outcome = self._outcome(job, trajectories)
-        if not outcome.delivered:
-            logger.info(
-                "dropping group %s: staleness %d > max_staleness %d%s",
-                job.group_id,
-                max(outcome.staleness),
-                self._bound.max_staleness,
-                "; its prompt is admitted again" if self._config.retry_stale else "",
-            )
-            if self._config.retry_stale:
-                self._returned.append(job.sample)
-                self._stale_retried += 1
-                self._gate.admitting.set()  # the loop may be waiting with nothing pending
-            return outcome
-        if not self._filter.keep(trajectories):  # its slot is freed: a new prompt replaces it
-            logger.debug("group %s filtered out (%s)", job.group_id, type(self._filter).__name__)
-            return dataclasses.replace(outcome, delivered=False, filtered=True)
-        await self._sink.put(trajectories)
-        # The put may have waited across weight pushes: the metrics report the staleness of
-        # what was delivered, at the version when the sink took it (see the module docstring).
-        return dataclasses.replace(outcome, staleness=self._staleness(job, trajectories))
-
-    def _staleness(self, job: GroupJob, trajectories: list[Trajectory]) -> tuple[int, ...]:
-        version = self._gate.version
-        return tuple(
-            self._bound.staleness(version, t.generated_versions, job.version) for t in trajectories
-        )
-
-    def _outcome(self, job: GroupJob, trajectories: list[Trajectory]) -> GroupOutcome:
-        """Staleness against the current version; `delivered=False` means drop."""
-        staleness = self._staleness(job, trajectories)
-        return GroupOutcome(
-            delivered=not self._bound.too_stale(max(staleness, default=0)),
-            staleness=staleness,
-            generated_tokens=sum(t.num_generated for t in trajectories),
-            partial=count_partial([t.generated_versions for t in trajectories]),
-        )
 
     async def _count_resubmit(self) -> None:
         async with self._lock:
             self._ledger.counters.resumed += 1
-
-    def _prompt_executor(self) -> Executor:
-        if self._prompt_pool is None:
-            self._prompt_pool = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="rollout-prompts"
-            )
-        return self._prompt_pool
-
-    def _reward_executor(self) -> Executor:
-        if self._reward_pool is None:
-            self._reward_pool = ThreadPoolExecutor(
-                max_workers=self._config.reward_workers, thread_name_prefix="rollout-reward"
-            )
-        return self._reward_pool
 
     # ------------------------------------------------------------------ accounting
 
@@ -769,10 +638,6 @@ class Rollouter:
                 self._stop_if_fatal()
         self._note_restored_progress()
         self._refresh_idle()
-
-    def _record_failure(self, job: GroupJob, error: BaseException) -> None:
-        self._ledger.record_failure(job, error, stopping=self._stop_requested.is_set())
-        self._stop_if_fatal()
 
     def _stop_if_fatal(self) -> None:
         if self._ledger.fatal is not None:
@@ -797,11 +662,3 @@ class Rollouter:
         """Idle = a weight push holds us paused, or the budget is out and nothing is in flight."""
         out_of_budget = self._state == "draining" and not self._in_flight
         self._idle.set_idle(self._gate.paused or out_of_budget, self._clock())
-
-
-def _loop_time() -> float:
-    """The running loop's time (virtual under a test loop clock); monotonic off the loop."""
-    try:
-        return asyncio.get_running_loop().time()
-    except RuntimeError:
-        return time.monotonic()

@@ -3,6 +3,8 @@ or `EpisodeRunner` (multi-turn episodes against an environment)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any
@@ -11,7 +13,9 @@ from rollout_engine.episode import EnvironmentFactory, EpisodeConfig, EpisodeRun
 from rollout_engine.group import GroupRunner
 from rollout_engine.types import GenerationEngine, MultiModalPreprocessor, RewardFn, SamplingConfig
 
-__all__ = ["make_group_runner"]
+__all__ = ["close_group_runner", "make_group_runner", "settle_engine"]
+
+logger = logging.getLogger(__name__)
 
 
 def make_group_runner(
@@ -42,3 +46,20 @@ def make_group_runner(
         return GroupRunner(engine, reward_fn, **common)
     config = episode if episode is not None else EpisodeConfig()
     return EpisodeRunner(engine, reward_fn, environment, config=config, **common)
+
+
+async def settle_engine(runner: GroupRunner | EpisodeRunner, timeout_s: float) -> None:
+    """Return once no engine call of `runner` is outstanding, or after `timeout_s` (a call
+    still outstanding then was sent into a paused engine and holds no token)."""
+    try:
+        await asyncio.wait_for(runner.wait_engine_quiet(), timeout_s)
+    except TimeoutError:
+        logger.warning(
+            "snapshot: engine calls still outstanding after %.1f s; taken anyway", timeout_s
+        )
+
+
+def close_group_runner(runner: GroupRunner | EpisodeRunner) -> None:
+    """Release what the runner holds beyond the run (an `EpisodeRunner`'s tool pools)."""
+    if isinstance(runner, EpisodeRunner):
+        runner.close()

@@ -4,11 +4,13 @@ runs without a trainer, or the consumer stopped calling `on_weights`)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["StallWatch"]
+__all__ = ["StallWatch", "loop_time"]
 
 logger = logging.getLogger(__name__)
 
@@ -18,13 +20,21 @@ logger = logging.getLogger(__name__)
 CLOCK_SLACK_S = 0.01
 
 
+def loop_time() -> float:
+    """The running loop's time (virtual under a test loop clock); monotonic off the loop."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()
+
+
 @dataclass(slots=True)
 class StallWatch:
-    """One warning per stall, `after_s` seconds (of `now`, the event loop's clock) after the
-    last version change; a new version re-arms it."""
+    """One warning per stall, `after_s` seconds (of `now`, by default the event loop's
+    clock) after the last version change; a new version re-arms it."""
 
     after_s: float
-    now: Callable[[], float]
+    now: Callable[[], float] = field(default=loop_time)
     _changed_at: float = 0.0
     _warned: bool = False
 

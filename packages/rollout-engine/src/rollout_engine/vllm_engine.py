@@ -39,7 +39,7 @@ from rollout_engine.vllm_worker import WORKER_EXTENSION
 
 if TYPE_CHECKING:
     import torch
-    from vllm import SamplingParams
+    from vllm import AsyncEngineArgs, SamplingParams
     from vllm.outputs import CompletionOutput
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -250,6 +250,15 @@ def _apply_version_spans(versions: list[int], spans: Any) -> None:
             versions[index] = version
 
 
+def _import_vllm() -> tuple[type[AsyncEngineArgs], type[AsyncLLM]]:
+    """vLLM's engine classes. The first import (torch, transformers, vLLM) takes 10-30 s on
+    CPU: call this in a thread, not on the event loop."""
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncEngineArgs, AsyncLLM
+
+
 class VLLMEngine:
     """A `GenerationEngine` over vLLM's `AsyncLLM` (create it with `await VLLMEngine.create`).
 
@@ -268,20 +277,21 @@ class VLLMEngine:
             max_workers=max(1, config.io_threads), thread_name_prefix="vllm-engine-io"
         )
         self.startup_s = startup_s
+        self.import_s = 0.0
         self.last_load_s = 0.0
 
     @classmethod
     async def create(cls, config: VLLMEngineConfig) -> VLLMEngine:
-        """Start vLLM (in a thread: it blocks for tens of seconds), then warm it up."""
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
+        """Import and start vLLM (each in a thread: tens of seconds on CPU), then warm it up.
+        `startup_s` counts all of it; `import_s` the import (0 when vLLM was imported)."""
+        started = time.perf_counter()
+        async_engine_args, async_llm = await asyncio.to_thread(_import_vllm)
+        imported = time.perf_counter()
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
             logger.info("VLLM_ENABLE_V1_MULTIPROCESSING is not 0: start-up takes longer on CPU")
-        started = time.perf_counter()
-        engine_args = AsyncEngineArgs(**config.engine_args())
+        engine_args = async_engine_args(**config.engine_args())
         loop = asyncio.get_running_loop()
-        llm = await loop.run_in_executor(None, AsyncLLM.from_engine_args, engine_args)
+        llm = await loop.run_in_executor(None, async_llm.from_engine_args, engine_args)
         engine = cls(llm, config)
         try:
             await llm.update_weight_version(str(config.initial_version))
@@ -299,7 +309,13 @@ class VLLMEngine:
             await engine.close()
             raise
         engine.startup_s = time.perf_counter() - started
-        logger.info("vLLM engine ready in %.1f s (%s)", engine.startup_s, config.model)
+        engine.import_s = imported - started
+        logger.info(
+            "vLLM engine ready in %.1f s (import %.1f s; %s)",
+            engine.startup_s,
+            engine.import_s,
+            config.model,
+        )
         return engine
 
     @property

@@ -7,13 +7,17 @@ EOS ids (its generation config lists `<|im_end|>` and `<eos>`), as chat models d
 
 Each model is saved where the caller says and reused if it is there already (a run reuses
 its run directory's, and so does `--resume`).
+
+`extra_characters` extends the character vocabulary for text beyond `ALPHABET` (a task's
+prompts and answers): the new characters get one token each, appended in sorted order after
+the existing ones, whose ids do not change; without any, the tokenizer is the default one.
 """
 
 from __future__ import annotations
 
 import logging
 import string
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +58,13 @@ def build_char_tokenizer(
     extra_special_tokens: Sequence[str] = (),
     eos_token: str = "<eos>",
     chat_template: str | None = None,
+    extra_characters: Iterable[str] = (),
 ):
     """Train a character-level WordLevel tokenizer with `tokenizers` and save it.
 
     `extra_special_tokens` are whole tokens after the base ones (`eos_token` may name one);
-    `chat_template` is saved with the tokenizer."""
+    `chat_template` is saved with the tokenizer. `extra_characters` (strings: each of their
+    characters) adds the characters not yet in the vocabulary, sorted, after the others."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -68,6 +74,7 @@ def build_char_tokenizer(
     specials = [*SPECIAL_TOKENS, *extra_special_tokens]
     trainer = trainers.WordLevelTrainer(special_tokens=specials, min_frequency=1)
     tokenizer.train_from_iterator(["".join(ALPHABET)], trainer=trainer)
+    _append_characters(tokenizer, extra_characters)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, pad_token="<pad>", eos_token=eos_token, unk_token="<unk>"
     )
@@ -77,8 +84,32 @@ def build_char_tokenizer(
     return fast
 
 
-def build_tiny_qwen2(directory: Path, *, seed: int = 0, hidden_size: int = 64) -> Path:
-    """Create (or reuse) the default model: ~125k parameters, tied embeddings, float32."""
+def _append_characters(tokenizer: Any, texts: Iterable[str]) -> None:
+    """Give every character of `texts` not in the vocabulary a token, in sorted order after
+    the existing ids. The pre-tokenizer then splits before every character, line breaks
+    included (`.` matches none, so a run of them would be one unknown piece)."""
+    from tokenizers import Regex, models, pre_tokenizers
+
+    known = tokenizer.get_vocab(with_added_tokens=True)
+    new = sorted({c for text in texts for c in text} - set(known))
+    if not new:
+        return
+    start = max(known.values()) + 1
+    vocab = tokenizer.get_vocab(with_added_tokens=False)  # the model's: specials included
+    vocab.update({c: start + i for i, c in enumerate(new)})
+    tokenizer.model = models.WordLevel(vocab=vocab, unk_token="<unk>")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+
+
+def build_tiny_qwen2(
+    directory: Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    extra_characters: Iterable[str] = (),
+) -> Path:
+    """Create (or reuse) the default model: ~125k parameters, tied embeddings, float32;
+    `extra_characters`: see the module docstring (the vocabulary size follows)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     def make(tokenizer: Any) -> Any:
@@ -90,7 +121,8 @@ def build_tiny_qwen2(directory: Path, *, seed: int = 0, hidden_size: int = 64) -
             bos_token_id=tokenizer.eos_token_id,
         )
 
-    return _build(directory, "Qwen2", Qwen2ForCausalLM, make, seed=seed)
+    options = {"extra_characters": tuple(extra_characters)}
+    return _build(directory, "Qwen2", Qwen2ForCausalLM, make, seed=seed, tokenizer_options=options)
 
 
 def build_tiny_llama(directory: Path, *, seed: int = 0, hidden_size: int = 64) -> Path:

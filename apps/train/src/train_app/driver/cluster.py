@@ -7,8 +7,10 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,10 @@ __all__ = [
     "RAY_START_ATTEMPTS",
     "RAY_SUBREAPER",
     "WORKER_ENV",
+    "reap",
     "start_local_ray",
     "start_ray",
+    "stop_local_ray",
     "warn_unplaceable",
     "worker_env",
 ]
@@ -43,6 +47,10 @@ WORKER_ENV = {
 }
 
 
+# Seconds the processes of a local cluster have to exit after `ray.shutdown` before the
+# ones left (an engine core orphaned while the raylet went down) are killed.
+LOCAL_RAY_EXIT_S = 5.0
+
 # The raylet of a local cluster adopts and kills orphaned processes of dead workers (a
 # SIGKILLed rollouter's vLLM engine core); see `start_local_ray`.
 RAY_SUBREAPER = {"RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper": "true"}
@@ -53,10 +61,11 @@ def worker_env(config: TrainConfig) -> dict[str, str]:
     return {**WORKER_ENV, "VLLM_LOGGING_LEVEL": "INFO" if config.verbose else "WARNING"}
 
 
-def start_ray(config: TrainConfig, logs: Path) -> bool:
+def start_ray(config: TrainConfig, logs: Path, give_up: Callable[[], bool] = lambda: False) -> bool:
     """Join `--ray-address` or start a local cluster (True: this run started it, and shuts it
     down). Actors' output reaches the terminal only with `--verbose`; otherwise each actor
-    writes its own file in `logs/` and `logs/ray` links to Ray's session logs."""
+    writes its own file in `logs/` and `logs/ray` links to Ray's session logs. A start that
+    fails is not retried once `give_up()` is true (a signal asked to stop)."""
     import ray
 
     if ray.is_initialized():
@@ -67,18 +76,23 @@ def start_ray(config: TrainConfig, logs: Path) -> bool:
         "log_to_driver": config.verbose,
         "logging_level": logging.INFO if config.verbose else logging.WARNING,
     }
-    if config.ray_address:
-        ray.init(address=config.ray_address, **options)
-        started = False
-    else:
-        start_local_ray(num_cpus=ray_num_cpus(config), options=options)
-        started = True
+    with _ray_leaves_sigterm_alone():
+        if config.ray_address:
+            ray.init(address=config.ray_address, **options)
+            started = False
+        else:
+            _adopt_orphans()
+            start_local_ray(num_cpus=ray_num_cpus(config), options=options, give_up=give_up)
+            started = True
     _link_ray_logs(logs)
     return started
 
 
 def start_local_ray(
-    num_cpus: int, options: dict[str, Any], attempts: int = RAY_START_ATTEMPTS
+    num_cpus: int,
+    options: dict[str, Any],
+    attempts: int = RAY_START_ATTEMPTS,
+    give_up: Callable[[], bool] = lambda: False,
 ) -> None:
     """Start a local cluster; retried because Ray's raylet gives its metrics agent a fixed
     15 s to start, which a heavily loaded 2-core machine can miss.
@@ -96,13 +110,89 @@ def start_local_ray(
                 ray.init(num_cpus=num_cpus, include_dashboard=False, **options)
             _default_sigchld()
             return
-        except Exception as exc:
+        except BaseException as exc:  # (a KeyboardInterrupt mid-start included)
             ray.shutdown()
             # A start that timed out leaves its GCS, raylet and monitors running: ours.
             _kill_children_since(before)
-            if "timed out during startup" not in str(exc) or attempt == attempts:
+            if "timed out during startup" not in str(exc) or attempt == attempts or give_up():
                 raise
             logger.warning("Ray did not start (%s); retrying (%d/%d)", exc, attempt, attempts)
+
+
+def stop_local_ray() -> list[Any]:
+    """`ray.shutdown` of a cluster this process started; returns the processes of its tree
+    as they were just before (psutil), for `reap` to kill those that outlive it. The raylet
+    reaps the engine cores of the workers it kills, but a shutdown right after killing the
+    actors (a second Ctrl-C) takes the raylet down first, and what it would have reaped (or
+    what it started late: a dashboard agent on a loaded machine) is orphaned. This process
+    adopts such orphans (`_adopt_orphans`), so `reap` finds them too."""
+    import psutil
+    import ray
+
+    try:
+        processes = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        processes = []
+    ray.shutdown()
+    return processes
+
+
+def reap(processes: list[Any], exit_s: float = LOCAL_RAY_EXIT_S) -> list[int]:
+    """Kill those of `processes`, and of this process's descendants now, still running
+    after `exit_s` (blocking: call it in a thread); returns their pids."""
+    import psutil
+
+    deadline = time.monotonic() + exit_s
+    alive: list[Any] = list(processes)
+    while True:
+        with contextlib.suppress(psutil.Error):
+            alive = _merge(alive, psutil.Process().children(recursive=True))
+        _, alive = psutil.wait_procs(alive, timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+        if not alive or time.monotonic() >= deadline:
+            break
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=2.0)  # (reaps those that are this process's children)
+    if alive:
+        logger.info("killed %d processes left after Ray's shutdown", len(alive))
+    return [process.pid for process in alive]
+
+
+def _merge(known: list[Any], found: list[Any]) -> list[Any]:
+    pids = {process.pid for process in known}
+    return known + [process for process in found if process.pid not in pids]
+
+
+def _adopt_orphans() -> None:
+    """Make this process a child subreaper (Linux): a process of the local cluster orphaned
+    when its parent (the raylet) exits becomes this process's child, not init's, so the
+    shutdown can still find and end it. A no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_child_subreaper = 36
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
+
+
+@contextlib.contextmanager
+def _ray_leaves_sigterm_alone() -> Iterator[None]:
+    """While `ray.init` runs, its SIGTERM handlers (`sys.exit` at once, mid-start, leaving
+    the half-started cluster's processes) are not installed: the driver's own handler stays
+    and sees the signal when `ray.init` returns, as it sees a Ctrl-C then."""
+    from ray._private import utils
+
+    original = getattr(utils, "set_sigterm_handler", None)
+    if original is None:  # (Ray moved it: its handlers apply; the driver reinstalls its own)
+        yield
+        return
+    utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        utils.set_sigterm_handler = original
 
 
 def _child_pids() -> set[int]:

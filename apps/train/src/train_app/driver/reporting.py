@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from train_app.driver.aio import await_ref
+from train_app.evaluation import EvalCollector
 from train_app.failure_log import failure_summary
 from train_app.outputs import (
     MetricsMirror,
@@ -61,6 +62,9 @@ class Reporter:
         """This run's first metrics row (the rows themselves live only in the file)."""
         self.rollout_metrics: dict[str, Any] = {}
         self.timings: dict[str, float] = {}
+        held_out = run_plan.replicas[0].eval if run_plan.replicas else None
+        self.evals = EvalCollector(len(run_plan.replicas), held_out.n) if held_out else None
+        """The held-out evaluations' rows (None: the run evaluates nothing)."""
 
     def open(self, mirrors: Sequence[MetricsMirror] = ()) -> None:
         """The metrics file; a resumed run continues from its checkpoint's step (later
@@ -124,6 +128,26 @@ class Reporter:
             records = []  # sent again next time (kept by the trainer until written)
         for step, metrics in records:
             self._write_row(step, {**self.rollout_metrics, **queue_metrics, **metrics}, restarts)
+        await self.collect_evals(rollouts)
+
+    async def collect_evals(self, rollouts: list[Any], flush: bool = False) -> None:
+        """Rows of the evaluations every replica finished (`flush`: the end of the run, also
+        those some replica never finished, e.g. one that died)."""
+        if self.evals is None:
+            return
+        acked = dict(self.evals.acked)
+        replies = await asyncio.gather(
+            *(
+                asyncio.wait_for(await_ref(r.eval_results.remote(acked)), METRICS_TIMEOUT_S)
+                for r in rollouts
+            ),
+            return_exceptions=True,
+        )
+        rows = self.evals.take(r for r in replies if isinstance(r, dict))
+        rows += self.evals.flush() if flush else []
+        assert self.writer is not None
+        for step, metrics in rows:
+            self.writer.log_eval(metrics, step)
 
     def _write_row(self, step: int, record: dict[str, Any], restarts: int) -> None:
         assert self.writer is not None

@@ -22,7 +22,13 @@ from rich.console import Console
 from train_app.config import TrainConfig
 from train_app.driver.accounting import SETTLE_S, account_groups
 from train_app.driver.aio import await_ref, quietly, uncancel
-from train_app.driver.cluster import start_ray, warn_unplaceable, worker_env
+from train_app.driver.cluster import (
+    reap,
+    start_ray,
+    stop_local_ray,
+    warn_unplaceable,
+    worker_env,
+)
 from train_app.driver.errors import RunInterrupted
 from train_app.driver.logs import capture_driver_logs
 from train_app.driver.reporting import Reporter, RunResult
@@ -85,7 +91,8 @@ def run(
         stopper = Stopper(console)
         result = asyncio.run(_drive(config, run_dir, prepare, console, stopper))
     if result is None:  # a signal stopped the run (one after the end changes nothing)
-        raise RunInterrupted(stopper.signum or signal.SIGINT, stopper.outcome)
+        outcome = stopper.outcome or "stopped before training started"
+        raise RunInterrupted(stopper.signum or signal.SIGINT, outcome)
     return result
 
 
@@ -114,7 +121,6 @@ async def _drive(
 
     `prepare` (make the model, read it, plan) runs in a thread while Ray starts here: both
     take seconds and need nothing from each other."""
-    import ray
 
     stopper.install()
     started_ray = False
@@ -122,9 +128,15 @@ async def _drive(
     try:
         t0 = time.monotonic()
         planned = asyncio.get_running_loop().run_in_executor(None, _timed, prepare)
-        started_ray = start_ray(config, run_dir / "logs")
+        with stopper.around_blocking_call() as signalled:
+            try:
+                started_ray = start_ray(config, run_dir / "logs", give_up=signalled)
+            except Exception:
+                if not signalled():
+                    raise
+                # Ray failed to start after a signal asked to stop: the stop is what counts
+                # (the signal is handled at the next await).
         ray_s = time.monotonic() - t0
-        stopper.install()  # ray.init replaced SIGTERM's handler with one that aborts
         run_plan, prepare_s = await planned
         await asyncio.to_thread(warn_unplaceable, run_plan)
         session = Session(config, run_plan, console, stopper)
@@ -132,6 +144,11 @@ async def _drive(
             prepare_s=prepare_s, ray_s=ray_s, prepare_and_ray_s=time.monotonic() - t0
         )
         return await _run_unless_stopped(session, stopper)
+    except asyncio.CancelledError:
+        if stopper.signum is None:
+            raise
+        uncancel()  # a signal while Ray started or the plan was made: stopped, not failed
+        return None
     finally:
         try:
             if session is not None and not stopper.hard:
@@ -140,7 +157,7 @@ async def _drive(
             if session is not None:
                 session.kill()
             if started_ray:
-                ray.shutdown()
+                await asyncio.to_thread(reap, stop_local_ray())
             stopper.uninstall()
 
 
@@ -198,6 +215,10 @@ class Session:
         trainer_summary = await self.supervisor.train()
         train_s = time.monotonic() - train_started
         await self.supervisor.poll_metrics()
+        if self.stopper.signum is None:  # a stop asked for no more work
+            last_step = (self.plan.resume.step or 0) + int(trainer_summary.get("steps", 0))
+            await self.supervisor.evaluate_last(last_step)
+        await self.reporter.collect_evals(self.actors.rollouts, flush=True)
         await self.reporter.write_failures(self.actors.rollouts)
         groups = await self._account(trainer_summary)
         before = self.reporter.timings.get("prepare_and_ray_s", 0.0)

@@ -4,10 +4,12 @@ stops the run gracefully and the second exits at once (`Stopper`).
 The first signal while training lets the trainer finish the step in progress (with its
 weight push) and save a checkpoint at that step; then every actor stops and the run raises
 `RunInterrupted` (exit 128 + signal: 130 for SIGINT, 143 for SIGTERM). Before training
-starts it skips straight to stopping the actors. A second signal exits at once: no waiting
-for the step, the checkpoint or the engines' shutdown. The handlers are the driver's own,
-whatever disposition the process inherited, and replace the SIGTERM handler `ray.init`
-installs (which would abort the process with a native stack trace)."""
+starts (while Ray starts or the plan is made) it skips straight to stopping what has
+started, with the same exit codes. A second signal exits at once: no waiting for the step,
+the checkpoint or the engines' shutdown (a local cluster's processes are still ended, see
+`cluster.stop_local_ray`); a third changes nothing. The handlers are the driver's own,
+whatever disposition the process inherited; `ray.init` is kept from installing its SIGTERM
+handlers (`sys.exit` mid-start, leaving the cluster's processes behind)."""
 
 from __future__ import annotations
 
@@ -70,6 +72,21 @@ class Stopper:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
 
+    @contextlib.contextmanager
+    def around_blocking_call(self) -> Iterator[Callable[[], bool]]:
+        """Around a call that blocks the loop's thread (`ray.init`): a signal meanwhile is
+        still handled as usual once the call returns (the loop is woken as before), and the
+        yielded function says whether one came, so the call can give up early (no retry of
+        a Ray start the user asked to stop)."""
+        received: list[int] = []
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda signum, frame: received.append(signum))
+        try:
+            yield lambda: bool(received)
+        finally:
+            self.install()
+
     def uninstall(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
@@ -90,6 +107,8 @@ class Stopper:
             self.console.print(
                 f"[bold yellow]{name}:[/] stopping every actor and engine (again to exit at once)"
             )
+        elif self.hard:
+            return  # exiting at once already
         else:
             self.hard = True
             self.outcome = "exited at once, without a new checkpoint"

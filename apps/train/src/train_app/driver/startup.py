@@ -141,17 +141,25 @@ def _refuse_if_locked(run_dir: Path) -> None:
 
 
 def ensure_model(config: TrainConfig, run_dir: Path) -> Path:
-    """`--model`, or a tiny random model of the task's kind built into the run dir."""
+    """`--model`, or a tiny random model of the task's kind built into the run dir (reused
+    as saved there: a resume keeps its tokenizer). A task that shows its text gets a tiny
+    tokenizer covering its characters (`train_app.tasks.vocabulary`); blocking (it may
+    build the task), so never on an event loop."""
     if config.model is not None:
         return Path(config.model).resolve()
     from tiny_models import build_tiny_qwen2
 
     from train_app.tasks import is_vision_task
+    from train_app.tasks.vocabulary import task_characters
     from train_app.vision_model import build_tiny_qwen2_vl
 
+    directory = run_dir / "model"
     if is_vision_task(config.task):
-        return build_tiny_qwen2_vl(run_dir / "model", seed=config.seed).resolve()
-    return build_tiny_qwen2(run_dir / "model", seed=config.seed).resolve()
+        return build_tiny_qwen2_vl(directory, seed=config.seed).resolve()
+    if (directory / "config.json").exists():
+        return directory.resolve()
+    extra = task_characters(config, run_dir)
+    return build_tiny_qwen2(directory, seed=config.seed, extra_characters=extra).resolve()
 
 
 def read_model_facts(model_dir: Path) -> tuple[int, int | None]:

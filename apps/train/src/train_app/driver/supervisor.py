@@ -38,10 +38,13 @@ from train_app.plan import ReplicaPlan, RunPlan, actor_options
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["POLL_S", "RANK_FAILURE_GRACE_S", "Supervisor"]
+__all__ = ["EVAL_LAST_TIMEOUT_S", "POLL_S", "RANK_FAILURE_GRACE_S", "Supervisor"]
 
 # How often the driver polls metrics and actor health.
 POLL_S = 0.5
+# Seconds the rollouters have for the evaluation at the end of training (a held-out set);
+# one that takes longer is left out of that row (a warning says so).
+EVAL_LAST_TIMEOUT_S = 600.0
 # After one trainer rank fails, how long the driver waits for the others' errors (a dead
 # rank breaks their collectives within a moment) so that the failure names them all.
 RANK_FAILURE_GRACE_S = 2.0
@@ -73,6 +76,24 @@ class Supervisor:
     async def poll_metrics(self) -> None:
         actors = self.actors
         await self.reporter.collect(actors.rollouts, actors.queue, actors.trainer, self.restarts)
+
+    async def evaluate_last(self, step: int) -> None:
+        """The held-out evaluation of the last weights (labelled `step`) on every replica,
+        then every evaluation row not written yet; nothing without a held-out set."""
+        if self.reporter.evals is None:
+            return
+        self.console.print(f"evaluating the weights of step {step} on the held-out set")
+        replies = await asyncio.gather(
+            *(
+                asyncio.wait_for(await_ref(r.evaluate_last.remote(step)), EVAL_LAST_TIMEOUT_S)
+                for r in self.actors.rollouts
+            ),
+            return_exceptions=True,
+        )
+        for replica, reply in enumerate(replies):
+            if isinstance(reply, BaseException):
+                logger.warning("replica %d: evaluation at the end failed: %r", replica, reply)
+        await self.reporter.collect_evals(self.actors.rollouts, flush=True)
 
     async def train(self) -> dict[str, Any]:
         """Train while watching every actor; returns the trainer's summary."""

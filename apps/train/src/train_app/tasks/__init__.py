@@ -6,7 +6,8 @@ A task makes prompts and scores responses (`Task`). Every source becomes one:
   `repeat`, `shapes` and `tool` register there in apps/train's pyproject.toml; an installed
   package adds its own the same way, `NAME = "module:factory"`);
 - `--dataset PATH` with `--reward MODULE:FUNCTION` (`train_app.tasks.dataset`);
-- `--env reasoning-gym:NAME` (`train_app.tasks.gym`).
+- `--env reasoning-gym:NAME` (`train_app.tasks.gym`);
+- `--env verifiers:TARGET` (`train_app.tasks.verifiers_env`).
 
 `make_task(name, tokenizer, **options)` builds one from its factory, called as
 `factory(tokenizer=tokenizer, **options)`; `train_app.tasks.spec` turns a run's configuration
@@ -15,8 +16,9 @@ the multimodal glue (`train_app.multimodal`).
 
 A task has `prompts(seed)` (a seeded iterator of `rollout_engine.PromptSample` whose
 `prompt_id`s never repeat) and `reward(sample, trajectory) -> float`; optionally
-`environment(sample)` and `episode` (multi-turn), and `metrics()` (extra scalars the rollout
-actor reports, e.g. `reward/<component>`).
+`environment(sample)` and `episode` (multi-turn), `metrics()` (extra scalars the rollout
+actor reports, e.g. `reward/<component>`), and `sample_texts(count)` (its prompts' and
+answers' text, which the default tiny tokenizer then covers: `train_app.tasks.vocabulary`).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ only when the installed metadata predates the entry points, e.g. a stale editabl
 _SOURCES: dict[str, str] = {
     "dataset": "train_app.tasks.dataset:DatasetTask",
     "reasoning-gym": "train_app.tasks.gym:ReasoningGymTask",
+    "verifiers": "train_app.tasks.verifiers_env:VerifiersTask",
 }
 """Tasks made from `--dataset` / `--env` (not `--task` names: they need those flags)."""
 
@@ -107,5 +110,6 @@ def is_vision_task(name: str) -> bool:
 
 
 def make_task(name: str, tokenizer: Any, **options: Any) -> Task:
-    """Build task `name` (a registered `--task` name, `dataset` or `reasoning-gym`)."""
+    """Build task `name` (a registered `--task` name, `dataset`, `reasoning-gym` or
+    `verifiers`)."""
     return _factory(name)(tokenizer=tokenizer, **options)

@@ -34,6 +34,7 @@ __all__ = [
     "check_dataset",
     "format_prompt",
     "load_rows",
+    "prompt_text",
     "resolve_template",
 ]
 
@@ -55,6 +56,17 @@ def load_rows(path: str | Path) -> Any:
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"--dataset {path}: no such file or directory")
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a bad file's error is one line, with no bar above it
+    try:
+        return _read_rows(datasets, path)
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _read_rows(datasets: Any, path: Path) -> Any:
+    """`load_rows` of an existing path, by its format."""
     try:
         if path.is_dir():
             rows = datasets.load_from_disk(str(path))
@@ -101,19 +113,29 @@ def _plain_text(prompt: Any, system_prompt: str | None) -> str:
     return f"{system_prompt}\n{text}" if system_prompt else text
 
 
+def prompt_text(
+    tokenizer: Any, prompt: Any, template: str | None, system_prompt: str | None
+) -> str:
+    """The text of a prompt (a string or a messages list) as the model reads it: rendered
+    with `template` (a Jinja chat template), or plain text (None)."""
+    if template is None:
+        return _plain_text(prompt, system_prompt)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and not any(m.get("role") == "system" for m in messages):
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return tokenizer.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+
+
 def format_prompt(
     tokenizer: Any, prompt: Any, template: str | None, system_prompt: str | None
 ) -> list[int]:
     """Token ids of a prompt (a string or a messages list). `template`: a Jinja chat template
     (None: plain text, encoded as the built-in tasks encode theirs)."""
+    text = prompt_text(tokenizer, prompt, template, system_prompt)
     if template is None:
-        return list(tokenizer.encode(_plain_text(prompt, system_prompt)))
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    if system_prompt and not any(m.get("role") == "system" for m in messages):
-        messages = [{"role": "system", "content": system_prompt}, *messages]
-    text = tokenizer.apply_chat_template(
-        messages, chat_template=template, tokenize=False, add_generation_prompt=True
-    )
+        return list(tokenizer.encode(text))
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -243,6 +265,21 @@ class DatasetTask:
             answer="" if answer is None else str(answer),
             metadata=extra,
         )
+
+    def sample_texts(self, count: int) -> Iterator[str]:
+        """The text of the first `count` prompts of epoch 0 (as the model reads them) and of
+        their answers: what a tokenizer made for this dataset must cover."""
+        for index in self.epoch_order(0)[:count]:
+            row = self._row(index)
+            yield prompt_text(
+                self.tokenizer, row[self.prompt_field], self._template, self.system_prompt
+            )
+            if self.answer_field and row.get(self.answer_field) is not None:
+                yield str(row[self.answer_field])
+
+    def close(self) -> None:
+        """Stop the reward functions' threads (a task made only to read its prompts)."""
+        self._scorer.close()
 
     def _fields(self) -> set[str]:
         return {self.prompt_field, self.answer_field} - {None}

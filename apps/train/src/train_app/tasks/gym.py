@@ -13,9 +13,9 @@ from typing import Any, ClassVar
 
 from rollout_engine import PromptSample, Trajectory
 
-from train_app.tasks.dataset import format_prompt, resolve_template
+from train_app.tasks.dataset import format_prompt, prompt_text, resolve_template
 
-__all__ = ["ReasoningGymTask", "check_names"]
+__all__ = ["ReasoningGymTask", "check_names", "item_index"]
 
 EXTRA_HINT = "install the app's `reasoning-gym` extra: pip install 'asyncrl-train[reasoning-gym]'"
 
@@ -32,6 +32,11 @@ def _library() -> Any:
             f"--env reasoning-gym needs the `reasoning-gym` package; {EXTRA_HINT}"
         ) from None
     return reasoning_gym
+
+
+def item_index(seed: int, index: int) -> int:
+    """The generator item of position `index` of the stream seeded `seed`."""
+    return (seed * 7919 + index) % DATASET_SIZE
 
 
 def check_names(names: Sequence[str]) -> None:
@@ -71,7 +76,7 @@ class ReasoningGymTask:
         index = 0
         while True:
             name = self.names[index % len(self.names)]
-            item = (seed * 7919 + index) % DATASET_SIZE
+            item = item_index(seed, index)
             entry = self._datasets[name][item]
             yield PromptSample(
                 prompt_id=f"s{seed}-{index}",
@@ -82,6 +87,14 @@ class ReasoningGymTask:
                 metadata={"dataset": name, "item": str(item)},
             )
             index += 1
+
+    def sample_texts(self, count: int) -> Iterator[str]:
+        """The text of `count` questions (the named datasets in turn, as the model reads them)
+        and of their answers: what a tokenizer made for this task must cover."""
+        for index in range(count):
+            entry = self._datasets[self.names[index % len(self.names)]][index]
+            yield prompt_text(self.tokenizer, entry["question"], self._template, self.system_prompt)
+            yield str(entry["answer"])
 
     def reward(self, sample: PromptSample, trajectory: Trajectory) -> float:
         """The dataset's `score_answer` of the decoded response (runs in the reward pool)."""

@@ -1,7 +1,7 @@
 """`repeat` (the default task): prompt `d*k=`, answer: the digit d written k times, then EOS.
 
 A tiny random-init model learns it by RL alone, but only with partial credit: an exact-match
-reward gives no signal from scratch (measured, see design.md).
+reward gives no signal from scratch (measured: its reward stays at zero).
 """
 
 from __future__ import annotations

@@ -8,28 +8,50 @@ message before Ray starts.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from train_app.config import TrainConfig
 
-__all__ = ["ENV_LIBRARIES", "check_task_inputs", "parse_env", "task_name", "task_options"]
+__all__ = [
+    "ENV_LIBRARIES",
+    "VERIFIERS_MAX_TOTAL_TOKENS",
+    "check_task_inputs",
+    "eval_task",
+    "parse_env",
+    "task_name",
+    "task_options",
+]
 
-ENV_LIBRARIES = ("reasoning-gym",)
+logger = logging.getLogger(__name__)
+
+ENV_LIBRARIES = ("reasoning-gym", "verifiers")
 """Environment libraries `--env LIBRARY:NAMES` can use."""
 
+VERIFIERS_MAX_TOTAL_TOKENS = 128
+"""Tokens of one verifiers episode (prompt, turns, observations) without `--max-model-len`:
+the default tiny model's context."""
 
-def parse_env(spec: str) -> tuple[str, tuple[str, ...]]:
-    """`"reasoning-gym:leg_counting,gcd"` -> `("reasoning-gym", ("leg_counting", "gcd"))`."""
+
+def parse_env(spec: str, flag: str = "--env") -> tuple[str, tuple[str, ...]]:
+    """`"reasoning-gym:leg_counting,gcd"` -> `("reasoning-gym", ("leg_counting", "gcd"))`;
+    `"verifiers:path/to/env.py"` -> `("verifiers", ("path/to/env.py",))` (one target);
+    `flag` names the option in the error."""
     library, _, rest = spec.partition(":")
-    names = tuple(n.strip() for n in rest.split(",") if n.strip())
     if library not in ENV_LIBRARIES:
         raise ValueError(
-            f"--env {spec}: unknown library {library!r}; available: {', '.join(ENV_LIBRARIES)}"
+            f"{flag} {spec}: unknown library {library!r}; available: {', '.join(ENV_LIBRARIES)}"
         )
+    if library == "verifiers":
+        target = rest.strip()
+        if not target:
+            raise ValueError(f"{flag} {spec}: name the environment, verifiers:MODULE|FILE.py")
+        return library, (target,)
+    names = tuple(n.strip() for n in rest.split(",") if n.strip())
     if not names:
-        raise ValueError(f"--env {spec}: name at least one dataset, {library}:NAME[,NAME...]")
+        raise ValueError(f"{flag} {spec}: name at least one dataset, {library}:NAME[,NAME...]")
     return library, names
 
 
@@ -67,16 +89,53 @@ def task_options(
             **formatting,
         }
     if config.env is not None:
-        return {"names": parse_env(config.env)[1], "seed": config.seed, **formatting}
+        library, names = parse_env(config.env)
+        if library == "verifiers":
+            return {
+                "target": _absolute_target(names[0]),
+                "seed": config.seed,
+                # An episode (every turn and observation) fits the model's context.
+                "max_total_tokens": config.max_model_len or VERIFIERS_MAX_TOTAL_TOKENS,
+                **formatting,
+            }
+        return {"names": names, "seed": config.seed, **formatting}
     if is_vision_task(config.task):
         return {"image_dir": str(run_dir / "images"), "corrupt_fraction": config.corrupt_images}
     return {}
+
+
+def eval_task(config: TrainConfig) -> tuple[str, dict[str, Any]] | None:
+    """The `make_task` name and options of the run's held-out set (`--eval-dataset`,
+    `--eval-env`), read whole and in one order (no shards, one epoch); None without one."""
+    formatting = {"chat_template": _template(config), "system_prompt": config.system_prompt}
+    if config.eval_env is not None:
+        names = parse_env(config.eval_env, flag="--eval-env")[1]
+        return "reasoning-gym", {"names": names, "seed": config.seed, **formatting}
+    if config.eval_dataset is None:
+        return None
+    return "dataset", {
+        "path": str(Path(config.eval_dataset).resolve()),
+        "rewards": tuple(_absolute_reward(r) for r in config.reward),
+        "reward_weights": tuple(config.reward_weights),
+        "reward_timeout": config.reward_timeout,
+        "reward_search_paths": (os.getcwd(),),
+        "prompt_field": config.prompt_field,
+        "answer_field": config.answer_field,
+        "seed": config.seed,
+        "epochs": 1,
+        **formatting,
+    }
 
 
 def _template(config: TrainConfig) -> str:
     if config.chat_template in ("auto", "none"):
         return config.chat_template
     return str(Path(config.chat_template).resolve())
+
+
+def _absolute_target(target: str) -> str:
+    """A `.py` file target as an absolute path (the rollout actors run elsewhere)."""
+    return str(Path(target).resolve()) if target.endswith(".py") else target
 
 
 def _absolute_reward(spec: str) -> str:
@@ -105,9 +164,10 @@ def check_task_inputs(config: TrainConfig) -> None:
         raise ValueError("--epochs must be at least 1")
     if config.reward_timeout <= 0:
         raise ValueError("--reward-timeout must be > 0")
+    _check_eval_inputs(config)
     if config.dataset is not None:
         _check_dataset_run(config)
-    elif config.reward:
+    elif config.reward and config.eval_dataset is None:
         raise ValueError("--reward scores a --dataset; give --dataset PATH")
     elif config.env is not None:
         _check_env(config.env)
@@ -134,9 +194,52 @@ def _check_dataset_run(config: TrainConfig) -> None:
     RewardSet(specs, config.reward_weights, search_paths=(os.getcwd(),)).close()
 
 
+def _check_eval_inputs(config: TrainConfig) -> None:
+    """The held-out set's file or environment, its rewards, and its overlap with training
+    (a warning with the count)."""
+    from train_app.evaluation import check_overlap
+    from train_app.tasks.dataset import check_dataset
+    from train_app.tasks.rewards import RewardSet
+
+    if not config.evaluates:
+        return
+    try:
+        if config.eval_env is not None:
+            _check_env(config.eval_env)
+        else:
+            answer = None if config.answer_field == "answer" else config.answer_field
+            check_dataset(config.eval_dataset, config.prompt_field, answer)  # type: ignore[arg-type]
+    except ValueError as exc:  # their messages name the training flags
+        text = str(exc)
+        for flag in ("--dataset", "--env"):
+            if text.startswith(flag):
+                text = "--eval-" + text[2:]
+        raise ValueError(text) from None
+    if config.eval_dataset is not None and config.dataset is None:
+        specs = tuple(_absolute_reward(r) for r in config.reward)
+        RewardSet(specs, config.reward_weights, search_paths=(os.getcwd(),)).close()
+    overlap = check_overlap(config)
+    if overlap is not None and overlap[0]:
+        found, checked, training = overlap
+        logger.warning(
+            "%s: %d of its %d held-out prompts are also training prompts (%s); "
+            "its figures then include prompts the model trained on",
+            f"--eval-dataset {config.eval_dataset}"
+            if config.eval_dataset is not None
+            else f"--eval-env {config.eval_env}",
+            found,
+            checked,
+            training,
+        )
+
+
 def _check_env(spec: str) -> None:
     library, names = parse_env(spec)
     if library == "reasoning-gym":
         from train_app.tasks.gym import check_names
 
         check_names(names)
+    elif library == "verifiers":
+        from train_app.tasks.verifiers_env import check_target
+
+        check_target(_absolute_target(names[0]))
