@@ -65,7 +65,7 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="apps/bench", description=__doc__)
     parser.add_argument("name", nargs="?", help="benchmark to run")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
@@ -98,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         help="sim: a runs/bench-e2e-* directory to calibrate on (default: the newest one "
         "under runs/, else the built-in constants measured on this machine)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.list or not args.name:
         for name, (_, description) in BENCHES.items():
             print(f"{name:10s} {description}")

@@ -21,7 +21,8 @@ takes.
 
 Where the rest lives: the staleness budget and pacing in `admission`, one group's run,
 staleness check and delivery in `delivery`, the books in `ledger`, weight pushes in
-`weight_gate`, restored and held groups in `restore_queue`, the thread pools in `executors`.
+`weight_gate`, restore, hold, snapshots and the prompt stream's position in `resume`
+(restored groups wait in `restore_queue`), the thread pools in `executors`.
 """
 
 from __future__ import annotations
@@ -37,18 +38,18 @@ from typing import Any
 from rollout_engine.admission import Admission, Blocker, PacingPolicy, StalenessBound
 from rollout_engine.config import LoopState, RolloutConfig
 from rollout_engine.delivery import GroupDelivery
-from rollout_engine.episode import EnvironmentFactory, EpisodeConfig
+from rollout_engine.episode import EnvironmentFactory, EpisodeConfig, EpisodeRunner
 from rollout_engine.evaluation import DEFAULT_EVAL_CONCURRENCY, EvalResult, EvalSetup, evaluate
 from rollout_engine.executors import RolloutExecutors
 from rollout_engine.failures import RolloutFailed
-from rollout_engine.group import GroupJob
+from rollout_engine.group import GroupJob, GroupRunner
 from rollout_engine.group_filter import GroupFilter, make_group_filter
 from rollout_engine.in_flight import GroupTask, InFlightGroups
 from rollout_engine.ledger import GroupLedger, is_cancellation
 from rollout_engine.metrics import FailedGroup, IdleClock, RolloutStats, metric_values
 from rollout_engine.prompt_source import PromptSource
-from rollout_engine.restore_queue import RestoreQueue
-from rollout_engine.runners import close_group_runner, make_group_runner, settle_engine
+from rollout_engine.resume import RolloutResume
+from rollout_engine.runners import close_group_runner, make_group_runner
 from rollout_engine.snapshot import GroupSnapshot, RolloutSnapshot
 from rollout_engine.stall_watch import StallWatch
 from rollout_engine.types import (
@@ -127,11 +128,9 @@ class Rollouter:
         self._clock = clock
         self._executors = RolloutExecutors(config.reward_workers)
         self._prompts = PromptSource(prompts, self._executors.prompts)
-        self._init_prompt_tracking(prompts)
         self._gate = WeightGate(engine, engine.version)
         self._admission = Admission.for_config(config, self._bound, pacing, engine.version)
         self._ledger = GroupLedger.for_config(config, clock, on_failure)
-        self._restore_queue = RestoreQueue(config.group_size)
         # Shared state; changed only under _lock, in critical sections without awaits.
         self._lock = asyncio.Lock()
         self._in_flight = InFlightGroups()
@@ -144,19 +143,8 @@ class Rollouter:
         self._stall = StallWatch(config.stall_warning_s)
         # What `evaluate` reuses: the same reward path, preprocessor and multi-turn setup.
         self._eval_setup = EvalSetup(reward_fn, preprocessor, environment, episode)
-        self._groups = make_group_runner(
-            engine,
-            reward_fn,
-            group_size=config.group_size,
-            sampling=config.sampling,
-            preprocessor=preprocessor,
-            environment=environment,
-            episode=episode,
-            wait_until_resumed=self._gate.wait_live,
-            on_resubmit=self._count_resubmit,
-            clock=clock,
-            reward_executor=self._executors.rewards,
-        )
+        self._groups = self._make_runner(reward_fn, preprocessor, environment, episode)
+        self._resume = self._make_resume(prompts)
         self._delivery = GroupDelivery(
             self._groups,
             sink,
@@ -165,23 +153,45 @@ class Rollouter:
             version=lambda: self._gate.version,
             clock=clock,
             on_generated=self._admission.pacing.on_group_generated,
-            on_stale=self._give_back_stale if config.retry_stale else None,
+            on_stale=self._resume.give_back_stale if config.retry_stale else None,
         )
 
-    def _init_prompt_tracking(self, prompts: object) -> None:
-        # A stream that can say where it is (`checkpoint_state()`): snapshots record it.
-        state = getattr(prompts, "checkpoint_state", None)
-        self._prompt_state: Callable[[], dict[str, Any]] | None = state if callable(state) else None
-        self._fetch: asyncio.Future[PromptSample | None] | None = None
-        self._returned: deque[PromptSample] = deque()  # too stale, admitted again first
-        self._exhausted = False  # the stream has no more prompts
-        self._stale_retried = 0
+    def _make_runner(
+        self,
+        reward_fn: RewardFn,
+        preprocessor: MultiModalPreprocessor | None,
+        environment: EnvironmentFactory | None,
+        episode: EpisodeConfig | None,
+    ) -> GroupRunner | EpisodeRunner:
+        return make_group_runner(
+            self._engine,
+            reward_fn,
+            group_size=self._config.group_size,
+            sampling=self._config.sampling,
+            preprocessor=preprocessor,
+            environment=environment,
+            episode=episode,
+            wait_until_resumed=self._gate.wait_live,
+            on_resubmit=self._count_resubmit,
+            clock=self._clock,
+            reward_executor=self._executors.rewards,
+        )
 
-    def _give_back_stale(self, job: GroupJob) -> None:
-        """`retry_stale`: a group dropped as too stale at delivery; its prompt comes again."""
-        self._returned.append(job.sample)
-        self._stale_retried += 1
-        self._gate.admitting.set()  # the loop may be waiting with nothing pending
+    def _make_resume(self, prompts: object) -> RolloutResume:
+        return RolloutResume(
+            prompts,
+            group_size=self._config.group_size,
+            sampling_seed=self._config.sampling.seed,
+            bound=self._bound,
+            gate=self._gate,
+            ledger=self._ledger,
+            in_flight=self._in_flight,
+            runner=self._groups,
+            pending=lambda: self._pending,
+            started=lambda: self._run_started,
+            on_weights=self.on_weights,
+            refresh_idle=self._refresh_idle,
+        )
 
     # ------------------------------------------------------------------ public API
 
@@ -246,7 +256,7 @@ class Rollouter:
 
     async def _shut_down(self) -> None:
         await self._cancel_in_flight()
-        self._restore_queue.settled.set()  # nothing restored is left to wait for
+        self._resume.queue.settled.set()  # nothing restored is left to wait for
         self._set_state(self._final_state())
         self._idle.stop(self._clock())
         self._ledger.flush()
@@ -263,115 +273,33 @@ class Rollouter:
         await self._cancel_in_flight()
 
     def restore(self, snapshot: RolloutSnapshot) -> None:
-        """Queue a snapshot's in-flight groups (`snapshot_in_flight`, possibly of another
-        process) ahead of the prompt source; call before `run()`.
-
-        Each group is admitted like a prompt (budget, concurrency) and its unfinished
-        responses continue from their tokens so far (`rollout_engine.snapshot`). A group
-        whose oldest token is more than `max_staleness` versions behind this rollouter's
-        version could never be delivered: its partial responses are dropped (counted in
-        `restore_dropped` and `restore_dropped_tokens`) and its prompt restarts from scratch,
-        so the prompt itself is not lost."""
-        if self._run_started:
-            raise RuntimeError("restore() must be called before run()")
-        self._restore_queue.add(snapshot, self._gate.version, self._bound)
+        """Queue a snapshot's groups ahead of the prompt source, before `run()`; see
+        `RolloutResume.restore`."""
+        self._resume.restore(snapshot)
 
     def hold_new_prompts(self) -> None:
-        """Admit no new prompt until `release_new_prompts()`; restored groups still go.
-
-        For several rollouters resumed together: each holds its new prompts until every one
-        has delivered its restored groups (`wait_restored_delivered`), so no replica's new
-        group reaches the queue ahead of another's restored one, whose oldest tokens may be
-        exactly `max_staleness` versions old and must be in the first batch."""
-        self._restore_queue.hold()
+        """Admit no new prompt until `release_new_prompts()`; see
+        `RolloutResume.hold_new_prompts`."""
+        self._resume.hold_new_prompts()
 
     def release_new_prompts(self) -> None:
-        """End `hold_new_prompts()`; the dispatch loop admits new prompts at once."""
-        self._restore_queue.release()
+        """End `hold_new_prompts()`; see `RolloutResume.release_new_prompts`."""
+        self._resume.release_new_prompts()
 
     async def wait_restored_delivered(self) -> None:
-        """Returns once no restored group (`restore`) is left to deliver: each was delivered,
-        dropped or failed, or `run()` ended. At once when nothing was restored."""
-        await self._restore_queue.settled.wait()
+        """Return once no restored group is left to deliver; see
+        `RolloutResume.wait_restored_delivered`."""
+        await self._resume.wait_restored_delivered()
 
     def count_requeued(self, count: int) -> None:
-        """Count `count` groups as delivered by this rollouter, before `run()`: a resumed run
-        put finished groups of its checkpoint back on the queue ahead of this rollouter's
-        (the app's share of them for this replica), and they take admission slots like its
-        own deliveries. Without this, admission would run that many groups past the
-        staleness budget and they would be dropped as too stale downstream. They are not in
-        `stats().delivered` (this rollouter did not deliver them) but are in `budget`, and a
-        downstream drop of one frees its slot (`on_downstream_drop`)."""
-        if self._run_started:
-            raise RuntimeError("count_requeued() must be called before run()")
-        self._ledger.count_requeued(count)
+        """Count groups a resumed run requeued for this replica as delivered, before `run()`;
+        see `RolloutResume.count_requeued`."""
+        self._resume.count_requeued(count)
 
     async def snapshot_in_flight(self, settle_timeout_s: float = 5.0) -> RolloutSnapshot:
-        """Every admitted, not yet delivered group with its responses so far
-        (`rollout_engine.snapshot`); the run goes on afterwards.
-
-        Like a weight push (and serialized with them): admission stops, the engine is
-        paused with mode "abort" so running requests hand back their tokens so far, and once
-        no engine call is outstanding (at most `settle_timeout_s`; a call still outstanding
-        then was sent into the paused engine and holds no token) the state is copied, the
-        engine resumed and admission reopened at the same version. The aborted responses
-        continue as after an abort-mode push (counted in `resumed`)."""
-        async with self._gate.paused_engine("abort", False, self.on_weights, self._refresh_idle):
-            await settle_engine(self._groups, settle_timeout_s)
-            await self._settle_fetch(settle_timeout_s)
-            snapshot = self._build_snapshot()
-        logger.info(
-            "snapshot of %d in-flight groups (%d tokens) at version %d",
-            len(snapshot.groups),
-            snapshot.generated_tokens,
-            snapshot.version,
-        )
-        return snapshot
-
-    async def _settle_fetch(self, timeout_s: float) -> None:
-        """Let a prompt being read from the stream arrive, so the stream's state and the
-        groups are read with no prompt between the two."""
-        fetch = self._fetch
-        if self._prompt_state is not None and fetch is not None and not fetch.done():
-            await asyncio.wait({fetch}, timeout=timeout_s)
-            if not fetch.done():
-                logger.warning("snapshot: a prompt still being read after %.1f s", timeout_s)
-
-    def _unadmitted(self) -> list[GroupSnapshot]:
-        """Prompts taken from the stream and not admitted: the one waiting for admission, one
-        read but not handed to the loop yet, and those given back as too stale."""
-        samples: list[PromptSample] = []
-        if isinstance(self._pending, PromptSample):
-            samples.append(self._pending)
-        fetch = self._fetch
-        if fetch is not None and fetch.done() and not fetch.cancelled():
-            sample = fetch.result() if fetch.exception() is None else None
-            if sample is not None and sample is not self._pending:
-                samples.append(sample)
-        samples.extend(self._returned)
-        version = self._gate.version
-        return [
-            GroupSnapshot(group_id=f"{s.prompt_id}:unadmitted", sample=s, admitted_version=version)
-            for s in samples
-        ]
-
-    def _build_snapshot(self) -> RolloutSnapshot:
-        """The state now; no await, so it is one consistent moment."""
-        groups = self._in_flight.snapshot(self._groups.responses_of, self._config.sampling.seed)
-        # Restored groups not admitted yet are still in flight from the checkpoint's view.
-        waiting = [self._pending] if isinstance(self._pending, GroupSnapshot) else []
-        groups.extend([*waiting, *self._restore_queue.waiting()])
-        prompt_state = None
-        if self._prompt_state is not None:
-            groups.extend(self._unadmitted())
-            prompt_state = self._prompt_state()
-        return RolloutSnapshot(
-            version=self._gate.version,
-            group_size=self._config.group_size,
-            taken_at=time.time(),
-            groups=groups,
-            prompt_state=prompt_state,
-        )
+        """Every admitted, not yet delivered group with its responses so far, taken like a
+        weight push; see `RolloutResume.snapshot_in_flight`."""
+        return await self._resume.snapshot_in_flight(settle_timeout_s)
 
     async def update_weights(self, weights: Any, version: int) -> None:
         """Pause the engine (`pause_mode`, or "wait" without partial rollout), load the
@@ -456,7 +384,7 @@ class Rollouter:
     def stats(self) -> RolloutStats:
         """A snapshot; cheap and lock-free (safe to call while the loop waits)."""
         now = self._clock()
-        restore = self._restore_queue
+        restore = self._resume.queue
         return self._ledger.stats(
             in_flight=len(self._in_flight),
             version=self._gate.version,
@@ -472,7 +400,10 @@ class Rollouter:
 
     def metrics(self) -> dict[str, float]:
         """The rollouter's metrics under their interface names (see `rollout_engine.metrics`)."""
-        return {**metric_values(self.stats()), "rollout/stale_retried": float(self._stale_retried)}
+        return {
+            **metric_values(self.stats()),
+            "rollout/stale_retried": float(self._resume.stale_retried),
+        }
 
     # ------------------------------------------------------------------ dispatch loop
 
@@ -482,12 +413,12 @@ class Rollouter:
             if self._stop_requested.is_set():  # stop(), or reaping gave up (RolloutFailed)
                 return
             if self._pending is None:
-                self._pending = self._restore_queue.pop()
+                self._pending = self._resume.queue.pop()
             if self._pending is None:
                 self._pending = await self._next_prompt()
                 if self._pending is not None:
                     continue
-                if self._exhausted and self._config.retry_stale and self._in_flight:
+                if self._resume.exhausted and self._config.retry_stale and self._in_flight:
                     self._set_state("finishing")
                     await self._wait_first()  # a group still running may give its prompt back
                     continue
@@ -505,14 +436,11 @@ class Rollouter:
     async def _next_prompt(self) -> PromptSample | None:
         """A prompt given back as too stale, else the stream's next (None: exhausted or
         stopping)."""
-        if self._returned:
-            return self._returned.popleft()
-        if self._exhausted:
-            return None
+        returned = self._resume.take_returned()
+        if returned is not None or self._resume.exhausted:
+            return returned
         sample = await self._fetch_prompt()
-        self._fetch = None  # its prompt is `_pending` now (snapshots look there)
-        if sample is None and not self._stop_requested.is_set():
-            self._exhausted = True
+        self._resume.read(sample, stopping=self._stop_requested.is_set())
         return sample
 
     def _admission_blocker(self) -> Blocker | None:
@@ -523,7 +451,7 @@ class Rollouter:
             consumed=self._ledger.consumed_slots,
             in_flight=len(self._in_flight),
             restored_first=new_prompt and self._in_flight.restored_running(),
-            held=new_prompt and self._restore_queue.holding,
+            held=new_prompt and self._resume.queue.holding,
         )
 
     def _budget(self) -> int:
@@ -537,7 +465,7 @@ class Rollouter:
             return
         if blocker == "held":
             self._set_state("held")
-            await self._wait_first(events=(self._restore_queue.new_prompts_allowed,))
+            await self._wait_first(events=(self._resume.queue.new_prompts_allowed,))
             return
         # Paused or out of budget: the drain wait. It ends when any task finishes or when
         # on_weights() sets `admitting`, whichever is first; the state lock is not held.
@@ -571,7 +499,8 @@ class Rollouter:
     async def _fetch_prompt(self) -> PromptSample | None:
         """The next prompt; finished tasks keep being reaped while the source is slow."""
         self._set_state("fetching")
-        fetch = self._fetch = asyncio.ensure_future(self._prompts.next())
+        fetch = asyncio.ensure_future(self._prompts.next())
+        self._resume.reading(fetch)
         try:
             while not fetch.done() and not self._stop_requested.is_set():
                 await self._wait_first(futures=(fetch,))
@@ -644,7 +573,7 @@ class Rollouter:
             self._stop_requested.set()  # the loop ends; run() cancels the rest and raises
 
     def _note_restored_progress(self) -> None:
-        self._restore_queue.note_progress(
+        self._resume.queue.note_progress(
             restored_pending=isinstance(self._pending, GroupSnapshot),
             restored_running=self._in_flight.restored_running(),
         )
