@@ -131,6 +131,14 @@ class RolloutResume:
             raise RuntimeError("count_requeued() must be called before run()")
         self._ledger.count_requeued(count)
 
+    def note_progress(self) -> None:
+        """Settle `wait_restored_delivered` once no restored group waits, is pending for
+        admission or runs; the dispatch loop calls it after each admission and reaping."""
+        self.queue.note_progress(
+            restored_pending=isinstance(self._pending(), GroupSnapshot),
+            restored_running=self._in_flight.restored_running(),
+        )
+
     # ------------------------------------------------------------------ prompt stream
 
     def give_back_stale(self, job: GroupJob) -> None:

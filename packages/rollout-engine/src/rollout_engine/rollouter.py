@@ -429,7 +429,7 @@ class Rollouter:
             if blocker is None:
                 await self._dispatch(self._pending)
                 self._pending = None
-                self._note_restored_progress()  # a restored group restarted from scratch
+                self._resume.note_progress()  # a restored group restarted from scratch
             else:
                 await self._wait_while_blocked(blocker)
 
@@ -565,18 +565,12 @@ class Rollouter:
             for task, job in self._in_flight.pop_done():
                 self._ledger.account(task, job, stopping=self._stop_requested.is_set())
                 self._stop_if_fatal()
-        self._note_restored_progress()
+        self._resume.note_progress()
         self._refresh_idle()
 
     def _stop_if_fatal(self) -> None:
         if self._ledger.fatal is not None:
             self._stop_requested.set()  # the loop ends; run() cancels the rest and raises
-
-    def _note_restored_progress(self) -> None:
-        self._resume.queue.note_progress(
-            restored_pending=isinstance(self._pending, GroupSnapshot),
-            restored_running=self._in_flight.restored_running(),
-        )
 
     def _final_state(self) -> LoopState:
         if self._ledger.fatal is not None:
