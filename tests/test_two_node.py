@@ -15,7 +15,7 @@ never joins the cluster (a helper subprocess reads the node ids), so its own Ray
 alone, apart from shutting down a session cluster first (2 cores).
 
 Cost: two node starts (~15 s each idle) and one run of 4 steps whose vLLM start dominates
-(~45 s idle). Measured 2026-12-04 on 2 cores shared with other jobs, three passing runs:
+(~45 s idle). Measured on 2 cores shared with other jobs, three passing runs:
 255 s at a load of ~11 (set-up 58 s, the run 187 s, stopping 9 s), 317 s and 403 s at loads
 of 13-22 (set-up 205 s and 151 s with failed node starts retried; the run 98 s and 241 s;
 stopping 11 s). At loads near 20 node starts fail often (a raylet aborts when its agent

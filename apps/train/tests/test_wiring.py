@@ -1,4 +1,4 @@
-"""The adapters' elastic-rollouter duties (`train_app.wiring`, issue 14 item 1).
+"""The adapters' elastic-rollouter duties (`train_app.wiring`).
 
 `QueueBatchSource` hands each prompt id to training at most once; its queue here is a fake
 (a list behind `get_batch`: only the dedupe logic is under test). `RolloutWeightSink` runs on

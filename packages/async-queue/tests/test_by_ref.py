@@ -1,4 +1,4 @@
-"""Payloads by reference (issue 12, item 3), on a real local Ray.
+"""Payloads by reference, on a real local Ray.
 
 Items whose payload reaches the client's `by_ref_bytes` are `ray.put` by the producing client;
 the queue actor holds only refs (re-owned by the actor, so they survive their producer), and

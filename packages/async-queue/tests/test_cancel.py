@@ -1,4 +1,4 @@
-"""A cancelled get never loses items (issue 16, item 8), over a real local Ray.
+"""A cancelled get never loses items, over a real local Ray.
 
 A trainer that stops cancels its in-flight `get_batch`. If a put completes that get in the
 actor just before the cancellation arrives, the actor has already taken the items and its
@@ -30,7 +30,7 @@ async def test_no_item_lost_when_a_get_is_cancelled_while_producing() -> None:
 
     Each trial starts a consumer waiting for a full batch, feeds it item by item and cancels
     the consumer at a random moment: before, during or right after the put that completes its
-    batch (the race of issue 16). After every trial, what the consumers received plus what is
+    batch (the race above). After every trial, what the consumers received plus what is
     still queued is exactly what was produced: nothing lost, nothing twice.
     """
     client = MessageQueueClient.create(maxsize=64)

@@ -1,4 +1,4 @@
-"""Pulled puts (issue 12, item 3), on a real local Ray.
+"""Pulled puts, on a real local Ray.
 
 A producing client inside a Ray actor that serves concurrent calls keeps its by-ref payloads
 until the queue actor pulls them (`async_queue._handover`): the queue actor owns them without

@@ -1,4 +1,4 @@
-"""Concurrent single puts of one client coalesce into one actor call (issue 12, item 3),
+"""Concurrent single puts of one client coalesce into one actor call,
 without weakening delivery: each put returns once its item is queued, gets its own error,
 and a cancelled caller neither loses nor doubles the others' items. Real local Ray.
 

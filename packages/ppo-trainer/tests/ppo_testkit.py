@@ -19,7 +19,7 @@ VOCAB = 32
 
 
 def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
-    """The tiny random Qwen2ForCausalLM of the issue (~100k parameters)."""
+    """A tiny random Qwen2ForCausalLM (~100k parameters)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)

@@ -1,10 +1,10 @@
 """A tool that burns 200 ms of CPU per call cannot stall the rollouter's event loop.
 
-`event_loop/lag_ms_p99` (design.md) is measured by a 10 ms timer on the loop that runs the
+`event_loop/lag_ms_p99` is measured by a 10 ms timer on the loop that runs the
 rollouter. Three ways a tool burns CPU, three expectations:
 
 - pure-Python work through `run_in_process` (the rollouter's process pool): the loop's p99 lag
-  stays <= 20 ms (the issue's bar);
+  stays <= 20 ms (the bar);
 - C work that releases the GIL (hashing) in a `SyncEnvironment`, in the tool thread pool: the
   same bar;
 - the negative control: the same burn in an async `step`, on the loop: the probe sees the
@@ -172,7 +172,7 @@ async def test_a_tool_burning_200ms_of_cpu_per_call_never_stalls_the_loop(tool: 
 async def test_a_tool_burning_200ms_of_cpu_per_call_keeps_loop_lag_p99_under_20ms(
     tool: str,
 ) -> None:
-    """The issue's bar. It is about this loop, so it is measured only when the machine lets a
+    """The 20 ms bar. It is about this loop, so it is measured only when the machine lets a
     loop be measured: the same run with tools that take 200 ms but no CPU must show a p99
     lag <= 5 ms first (on a machine whose other processes keep every core busy, the loop
     waits for a core even with no tool at all; then the test skips and says so)."""

@@ -18,7 +18,7 @@ from rollout_engine.testing import FakeEngine, FakeEngineConfig, ListSink, make_
 
 # 100 tokens at 50 ms each: every in-flight group takes 5 s.
 FIVE_SECOND_GROUPS = FakeEngineConfig(time_per_token_s=0.05, fixed_length=100)
-ACCEPTANCE_MS = 100  # the bound from on_weights to the next dispatch
+ACCEPTANCE_MS = 100  # the bound from on_weights to the next dispatch
 
 
 def _draining_rollouter(pause_mode: str = "keep") -> tuple[FakeEngine, Rollouter]:

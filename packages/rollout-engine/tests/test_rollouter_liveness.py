@@ -1,4 +1,4 @@
-"""Liveness at the edges (issue 16): a dead engine or sink ends `run()` with `RolloutFailed`.
+"""Liveness at the edges: a dead engine or sink ends `run()` with `RolloutFailed`.
 
 These are scheduling tests, so the engine is `rollout_engine.testing.FakeEngine` (a fake) or a
 tiny wrapper of it that misbehaves; the sinks are small fakes of the queue client.

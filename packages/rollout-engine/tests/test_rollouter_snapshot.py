@@ -1,4 +1,4 @@
-"""In-flight partials across a snapshot and a restore (issue 14, item 2; rollout_engine.snapshot).
+"""In-flight partials across a snapshot and a restore (rollout_engine.snapshot).
 
 The engine is `rollout_engine.testing.FakeEngine`, a fake: these test the bookkeeping (no
 token lost, versions kept, staleness bound), not generation. A "crash" is simulated by

@@ -125,32 +125,24 @@ class Contender:
 
 
 def _cases(quick: bool) -> list[Case]:
-    scale = 0.2 if quick else 1.0
-
-    def n(count: int) -> int:
-        return max(int(count * scale), 50)
-
     # 64 x 1 KiB keeps each call under Ray's 100 KiB inline limit (bigger goes via plasma).
     # 4 MiB: 256 items = 1 GiB through each queue (the RSS figure is for that much).
-    big_items = 256 if not quick else 64
-    return [
-        Case(payload_bytes=1024, batch=64, items=n(8_000), maxsize=512, rounds=3),
-        Case(payload_bytes=1024, batch=1, items=n(4_000), maxsize=512),
-        Case(payload_bytes=256 * 1024, batch=8, items=n(400), maxsize=32),
-        Case(payload_bytes=256 * 1024, batch=1, items=n(200), maxsize=32),
+    cases = [
+        Case(payload_bytes=1024, batch=64, items=8_000, maxsize=512, rounds=3),
+        Case(payload_bytes=1024, batch=1, items=4_000, maxsize=512),
+        Case(payload_bytes=256 * 1024, batch=8, items=400, maxsize=32),
+        Case(payload_bytes=256 * 1024, batch=1, items=200, maxsize=32),
         # 4 MiB: the median of 3 runs each (one run is ~2 s; single runs varied by ~1.5x here).
         # The variants do the same work as the ray queue row they are compared with.
-        Case(payload_bytes=4 * 2**20, batch=8, items=big_items, maxsize=32, rounds=3),
-        Case(payload_bytes=4 * 2**20, batch=8, items=big_items, maxsize=32, rounds=3, pull=False),
-        Case(
-            payload_bytes=4 * 2**20,
-            batch=8,
-            items=big_items,
-            maxsize=32,
-            rounds=3,
-            owner="producer",
-        ),
+        Case(payload_bytes=4 * 2**20, batch=8, items=256, maxsize=32, rounds=3),
+        Case(payload_bytes=4 * 2**20, batch=8, items=256, maxsize=32, rounds=3, pull=False),
+        Case(payload_bytes=4 * 2**20, batch=8, items=256, maxsize=32, rounds=3, owner="producer"),
     ]
+    if not quick:
+        return cases
+    # A smoke run of every case and contender: one round of one consumer batch (32 MiB per
+    # queue at 4 MiB); its figures are not comparable with a full run's.
+    return [dataclasses.replace(case, items=case.get_batch, rounds=1) for case in cases]
 
 
 def _payloads(case: Case) -> list[bytes]:

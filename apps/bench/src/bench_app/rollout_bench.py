@@ -47,7 +47,7 @@ class Workload:
 
 
 FULL = Workload(prompts=64, group_size=8, max_tokens=32, max_concurrency=16, rounds=6)
-QUICK = Workload(prompts=16, group_size=8, max_tokens=16, max_concurrency=8, rounds=2)
+QUICK = Workload(prompts=8, group_size=8, max_tokens=16, max_concurrency=8, rounds=1)
 
 
 @dataclass(frozen=True)

@@ -318,13 +318,15 @@ async def _engine_part(size: ModelSize, model_dir: Path, model: Any, quick: bool
 # -- per size: trainer and checkpoint ----------------------------------------------------------
 
 
-def _trainer_part(size: ModelSize, model: Any) -> dict[str, float]:
-    """Both loops of the `trainer` bench on this model; best round each, peak RSS each."""
+def _trainer_part(size: ModelSize, model: Any, quick: bool) -> dict[str, float]:
+    """Both loops of the `trainer` bench on this model; best round each, peak RSS each (one
+    round in a quick run: a smoke run of both loops)."""
     import torch
 
     from bench_app import trainer_bench as tb
 
     prompt, response, groups, n, steps, rounds = size.train_shape
+    rounds = 1 if quick else rounds
     setup = tb._Setup(size.hidden, size.layers, size.vocab, prompt, (response, response), n,
                       groups, steps, rounds)  # fmt: skip
     all_groups = tb._groups(setup, groups * (steps + 1), seed=0)
@@ -428,7 +430,7 @@ def _measure_size(size: ModelSize, workdir: Path, quick: bool) -> dict[str, Any]
     engine = asyncio.run(_engine_part(size, directory, model, quick))
     memcpy_s = _memcpy_s(engine["bytes"])
     _progress(f"{size.name}: trainer vs minimal loop")
-    trainer = _trainer_part(size, model)
+    trainer = _trainer_part(size, model, quick)
     _progress(f"{size.name}: checkpoint")
     checkpoint = _checkpoint_part(size, model, directory)
     shutil.rmtree(directory, ignore_errors=True)
