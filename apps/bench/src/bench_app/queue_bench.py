@@ -535,7 +535,20 @@ def run(quick: bool) -> BenchReport:
             ray.shutdown()
             shutil.rmtree(temp_dir, ignore_errors=True)
     figures = _figures(cases, rows, quick)
-    notes = [
+    return BenchReport(
+        title=(
+            "async_queue actor vs ray.util.queue.Queue and verl's MessageQueue "
+            "(1 producer actor, 1 consumer actor)"
+        ),
+        rows=rows,
+        figures=figures,
+        notes=_notes(figures),
+    )
+
+
+def _notes(figures: dict[str, Any]) -> list[str]:
+    """What the figures mean and how each contender was driven."""
+    return [
         f"target: batched 1 KiB >= {TARGET_ITEMS_S:,.0f} items/s and >= {TARGET_RATIO:g}x "
         "ray.util.queue.Queue; met: items/s "
         f"{figures['met_items_s']}, ratio {figures['met_ratio']} "
@@ -564,12 +577,3 @@ def run(quick: bool) -> BenchReport:
         "rows with rounds > 1 are the median run of that many (queues alternate going first)",
         _verl_note(figures),
     ]
-    return BenchReport(
-        title=(
-            "async_queue actor vs ray.util.queue.Queue and verl's MessageQueue "
-            "(1 producer actor, 1 consumer actor)"
-        ),
-        rows=rows,
-        figures=figures,
-        notes=notes,
-    )
