@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ppo_trainer import PPOConfig
 from rollout_engine import RolloutSnapshot, SamplingConfig, StalenessBound
@@ -137,6 +137,9 @@ GENERATION_ONLY = False
 # Seconds admission may wait on the budget with no new version before a rollouter warns
 # (once per stall): far above a step on this app's CPU models, so only a stuck trainer.
 STALL_WARNING_S = 120.0
+# A group too stale to deliver gives its prompt back to the stream, so no prompt of an epoch
+# is lost to staleness.
+RETRY_STALE_GROUPS = True
 
 # vLLM engine: float32 keeps behaviour log-probs comparable with the float32 trainer to ~1e-6.
 ENGINE_DTYPE = "float32"
@@ -564,9 +567,9 @@ def _replica_plans(
             task=task_name(config),
             task_options=task_options(config, run_dir, i, len(shares)),
             prompt_seed=config.seed * PROMPT_SEED_STRIDE + i,
-            consumed_prompt_ids=starts[i][1],
-            prompt_position=starts[i][0],
-            redo_prompt_ids=starts[i][2],
+            consumed_prompt_ids=starts[i].skip,
+            prompt_position=starts[i].position,
+            redo_prompt_ids=starts[i].redo,
             rollout=_rollout_config(config, bound, share, model.eos_token_ids),
             engine=_engine_config(config, model, replica=i, version=resume.version),
             cpu=ENGINE_CORE if pin else None,
@@ -582,9 +585,13 @@ def _replica_plans(
     )
 
 
-def _stream_start(
-    resume: ResumePoint, seed: int, carried: frozenset[str]
-) -> tuple[int, frozenset[str], tuple[str, ...]]:
+class _StreamStart(NamedTuple):
+    position: int
+    skip: frozenset[str]
+    redo: tuple[str, ...]
+
+
+def _stream_start(resume: ResumePoint, seed: int, carried: frozenset[str]) -> _StreamStart:
     """Where the stream of `seed` starts, what it skips and what it generates again: the
     saved position, the ids the saved state still skips and those the resume continues
     (restored or put back: `carried`), and the saved state's prompts to redo with the queued
@@ -593,9 +600,9 @@ def _stream_start(
     not skipped, so the walk generates them again)."""
     state = resume.prompt_states.get(seed)
     if state is None:
-        return 0, resume.consumed_prompt_ids | carried, ()
+        return _StreamStart(0, resume.consumed_prompt_ids | carried, ())
     redo = (*state.get("redo", ()), *resume.queued.dropped_prompt_ids)
-    return int(state["position"]), frozenset(state.get("skip", ())) | carried, redo
+    return _StreamStart(int(state["position"]), frozenset(state.get("skip", ())) | carried, redo)
 
 
 def consumed_ids_kept(config: TrainConfig) -> int:
@@ -639,8 +646,7 @@ def _rollout_config(
         filter_groups=config.filter_groups,
         generation_only=GENERATION_ONLY,
         stall_warning_s=STALL_WARNING_S,
-        # A group too stale to deliver gives its prompt back (never lost within an epoch).
-        retry_stale=True,
+        retry_stale=RETRY_STALE_GROUPS,
     )
 
 
