@@ -109,8 +109,11 @@ def test_processes_left_after_ray_shutdown_are_killed(monkeypatch: pytest.Monkey
     ends = subprocess.Popen([sys.executable, "-c", "pass"])
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     try:
-        processes = cluster.stop_local_ray()
-        assert {stays.pid, ends.pid} <= {p.pid for p in processes}
+        found = cluster.stop_local_ray()
+        assert {stays.pid, ends.pid} <= {p.pid for p in found}
+        # Only this test's two: a whole test session has other children (its shared Ray
+        # cluster, a vLLM engine core) that must outlive this test.
+        processes = [p for p in found if p.pid in (stays.pid, ends.pid)]
         assert cluster.reap(processes, exit_s=3.0) == [stays.pid]
         assert not psutil.pid_exists(stays.pid)  # (killed and reaped by `reap`)
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,10 @@ def test_resume_rewinds_jsonl_and_tensorboard_to_the_checkpoint_step(tmp_path: P
     with (tmp_path / "metrics.jsonl").open("a") as file:
         file.write('{"step": 8, "reward/me')  # torn last line of a killed process
 
+    # A resumed run is a later process: its event file must sort after the first one. In one
+    # process within one second the names differ only by a counter, which sorts as text
+    # ("10" before "9") once a long test session has made enough writers.
+    time.sleep(1.1)
     resumed = MetricsWriter(tmp_path, resume_step=4)
     assert [r["step"] for r in resumed.kept] == [1, 2, 3, 4]
     for step in range(5, 7):  # the resumed run logs steps 5-6 again

@@ -124,3 +124,26 @@ def test_a_third_signal_changes_nothing() -> None:
             stopper.uninstall()
 
     assert asyncio.run(main())
+
+
+def test_cleanup_finishes_although_a_second_signal_cancels_the_task() -> None:
+    """The cluster's processes are reaped to the end even when a second Ctrl-C cancels the
+    driver's task meanwhile; the cancellation is cleared, not raised."""
+    import asyncio
+
+    from train_app.driver.aio import finish_despite_cancel
+
+    async def main() -> tuple[int, list[str]]:
+        done: list[str] = []
+
+        async def reap() -> int:
+            await asyncio.sleep(0.2)
+            done.append("reaped")
+            return 7
+
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().call_later(0.05, task.cancel)
+        return await finish_despite_cancel(reap()), done
+
+    assert asyncio.run(main()) == (7, ["reaped"])

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["await_ref", "failure", "quietly", "uncancel"]
+__all__ = ["await_ref", "failure", "finish_despite_cancel", "quietly", "uncancel"]
+
+T = TypeVar("T")
 
 
 async def await_ref(ref: Any) -> Any:
@@ -34,3 +37,17 @@ def uncancel() -> None:
     task = asyncio.current_task()
     if task is not None:
         task.uncancel()
+
+
+async def finish_despite_cancel(work: Awaitable[T]) -> T:
+    """Await `work` to its end even if this task is cancelled meanwhile (a second signal
+    while the cluster's processes are reaped): what it cleans up must not be left behind.
+    Each cancellation that arrives here is cleared; the caller's own outcome stands."""
+    future = asyncio.ensure_future(work)
+    while True:
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if future.cancelled():
+                raise
+            uncancel()

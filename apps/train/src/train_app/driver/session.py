@@ -21,7 +21,7 @@ from rich.console import Console
 
 from train_app.config import TrainConfig
 from train_app.driver.accounting import SETTLE_S, account_groups
-from train_app.driver.aio import await_ref, quietly, uncancel
+from train_app.driver.aio import await_ref, finish_despite_cancel, quietly, uncancel
 from train_app.driver.cluster import (
     reap,
     start_ray,
@@ -157,7 +157,9 @@ async def _drive(
             if session is not None:
                 session.kill()
             if started_ray:
-                await asyncio.to_thread(reap, stop_local_ray())
+                # Even past a second signal: the raylet must not go before the engine cores it
+                # would reap are gone (they would outlive the run).
+                await finish_despite_cancel(asyncio.to_thread(reap, stop_local_ray()))
             stopper.uninstall()
 
 
