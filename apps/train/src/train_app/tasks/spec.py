@@ -73,21 +73,8 @@ def task_options(
 
     formatting = {"chat_template": _template(config), "system_prompt": config.system_prompt}
     if config.dataset is not None:
-        return {
-            "path": str(Path(config.dataset).resolve()),
-            "rewards": tuple(_absolute_reward(r) for r in config.reward),
-            "reward_weights": tuple(config.reward_weights),
-            "reward_timeout": config.reward_timeout,
-            # `MODULE:FUNCTION` imports as it would where the run was started.
-            "reward_search_paths": (os.getcwd(),),
-            "prompt_field": config.prompt_field,
-            "answer_field": config.answer_field,
-            "seed": config.seed,
-            "epochs": config.epochs,
-            "shard": replica,
-            "shards": replicas,
-            **formatting,
-        }
+        options = _dataset_options(config, config.dataset, epochs=config.epochs)
+        return {**options, "shard": replica, "shards": replicas}
     if config.env is not None:
         library, names = parse_env(config.env)
         if library == "verifiers":
@@ -113,17 +100,24 @@ def eval_task(config: TrainConfig) -> tuple[str, dict[str, Any]] | None:
         return "reasoning-gym", {"names": names, "seed": config.seed, **formatting}
     if config.eval_dataset is None:
         return None
-    return "dataset", {
-        "path": str(Path(config.eval_dataset).resolve()),
+    return "dataset", _dataset_options(config, config.eval_dataset, epochs=1)
+
+
+def _dataset_options(config: TrainConfig, path: str | Path, epochs: int | None) -> dict[str, Any]:
+    """Options of a `dataset` task reading `path`, scored by the run's `--reward` functions."""
+    return {
+        "path": str(Path(path).resolve()),
         "rewards": tuple(_absolute_reward(r) for r in config.reward),
         "reward_weights": tuple(config.reward_weights),
         "reward_timeout": config.reward_timeout,
+        # `MODULE:FUNCTION` imports as it would where the run was started.
         "reward_search_paths": (os.getcwd(),),
         "prompt_field": config.prompt_field,
         "answer_field": config.answer_field,
         "seed": config.seed,
-        "epochs": 1,
-        **formatting,
+        "epochs": epochs,
+        "chat_template": _template(config),
+        "system_prompt": config.system_prompt,
     }
 
 
