@@ -102,24 +102,26 @@ def test_ray_init_leaves_the_drivers_sigterm_handler_in_place(
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_processes_left_after_ray_shutdown_are_killed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_processes_left_after_ray_shutdown_are_killed(tmp_path) -> None:
     """A child the shutdown did not end (an engine core the raylet was gone too soon to
-    reap) is killed after the grace time; one that ends by itself is left alone."""
-    stays = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    ends = subprocess.Popen([sys.executable, "-c", "pass"])
-    monkeypatch.setattr(ray, "shutdown", lambda: None)
-    try:
-        found = cluster.stop_local_ray()
-        assert {stays.pid, ends.pid} <= {p.pid for p in found}
-        # Only this test's two: a whole test session has other children (its shared Ray
-        # cluster, a vLLM engine core) that must outlive this test.
-        processes = [p for p in found if p.pid in (stays.pid, ends.pid)]
-        assert cluster.reap(processes, exit_s=3.0) == [stays.pid]
-        assert not psutil.pid_exists(stays.pid)  # (killed and reaped by `reap`)
-    finally:
-        stays.kill()
-        stays.wait()
-        ends.wait()
+    reap) is killed after the grace time; one that ends by itself is left alone. In a child
+    interpreter: `reap` kills every descendant of its process, and this test session's own
+    children (its shared Ray cluster, a vLLM engine core) must outlive the test."""
+    code = (
+        "import subprocess, sys, psutil, ray\n"
+        "from train_app.driver import cluster\n"
+        "stays = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "ends = subprocess.Popen([sys.executable, '-c', 'pass'])\n"
+        "ray.shutdown = lambda: None\n"
+        "found = {p.pid for p in cluster.stop_local_ray()}\n"
+        "print({stays.pid, ends.pid} <= found)\n"
+        "print(cluster.reap([], exit_s=3.0) == [stays.pid], psutil.pid_exists(stays.pid))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "False"], out.stdout
 
 
 def test_an_orphan_of_the_cluster_is_adopted_and_killed(tmp_path) -> None:
