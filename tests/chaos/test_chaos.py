@@ -1,7 +1,7 @@
 """The chaos suite: short real runs, each hit once at a seeded step.
 
-Six seeded schedules kill one process of a run with SIGKILL (a rollouter, the queue actor,
-the trainer, vLLM's engine core), plus one SIGINT to the driver. Each run must either
+Five seeded schedules: SIGKILL one process of a run (the queue actor, the trainer, vLLM's
+engine core, the only rollouter), or SIGINT the driver. Each run must either
 complete with every invariant or exit non-zero with the cause within 30 s of the hit; in both
 cases no process the run recorded (actors.json: driver, rollouters, engine cores, trainer,
 queue) may outlive it, metrics.jsonl must parse line by line and the last checkpoint must
@@ -9,8 +9,8 @@ load (they are written atomically). What each target is expected to do:
 
 | hit | expected |
 |---|---|
-| SIGKILL a rollouter (of 2, of 1) | restarted from the trainer's weights; the run completes |
-| SIGKILL vLLM's engine core, or its rollouter (vLLM) | restarted; the run completes |
+| SIGKILL the only rollouter (vLLM) | restarted from the trainer's weights; the run completes |
+| SIGKILL vLLM's engine core (of 2 replicas) | restarted; the run completes |
 | SIGKILL the queue actor | the run exits 1 naming the cause within 30 s |
 | SIGKILL the trainer | the run exits 1 naming the cause within 30 s; `--resume` completes it |
 | SIGINT the driver | checkpoint at the last step, every actor stopped, exit 130 within 30 s |
@@ -24,10 +24,9 @@ at every logged step).
 Cost. The runs share one local Ray cluster (the module's; each run joins it with
 `--ray-address`, so no run pays Ray's start-up). The FakeEngine runs (`fake_run.py`: the real
 Ray, queue, trainer and driver; engines with random tokens that start at once) cost ~25-60 s
-each, most of it four actor processes importing torch. The two vLLM schedules need three
-engine starts each (two replicas and the replacement): ~150-300 s each on a quiet 2-core
-machine. Measured at load 12-20 (other jobs on the 2 cores): 137-211 s per FakeEngine run,
-972 s for the five of them, 472 s for the engine-core one.
+each, most of it four actor processes importing torch. The vLLM schedules need two engine
+starts (the only replica and its replacement) or three (two replicas and the replacement):
+~60-100 s each in CI on 2 cores; 472 s measured for the engine-core one at load 20.
 """
 
 from __future__ import annotations
@@ -243,23 +242,6 @@ def _report(name: str, outcome: Outcome, started: float) -> None:
     )
 
 
-def test_killed_only_rollouter_is_restarted_and_the_run_completes(
-    cluster: str, tmp_path: Path
-) -> None:
-    """The only replica is SIGKILLed: no other feeds the trainer meanwhile. (One of two
-    replicas killed is `apps/train/tests/test_elastic.py`'s run, which checks the same
-    invariants and the group balance.)
-    Costs ~30-60 s (FakeEngine run; the replacement actor's imports ~5-15 s)."""
-    schedule = Schedule(seed=5, target="rollouter", replicas=1)
-    started = time.monotonic()
-    run_dir = tmp_path / f"rollouter-{schedule.seed}"
-    outcome = _run_and_hit(schedule, run_dir, cluster)
-    assert outcome.code == 0, outcome.out[-4000:]
-    _assert_invariants(run_dir, outcome.records, schedule.steps)
-    assert outcome.records[-1]["rollout/restarts"] == 1
-    _report(run_dir.name, outcome, started)
-
-
 def test_killed_queue_fails_the_run_with_the_cause(cluster: str, tmp_path: Path) -> None:
     """Costs ~25-50 s (FakeEngine run to the hit, then the failure and shutdown)."""
     started = time.monotonic()
@@ -309,11 +291,14 @@ def test_vllm_replica_killed_is_restarted_and_the_run_completes(
     started = time.monotonic()
     run_dir = tmp_path / f"vllm-{schedule.target}"
     outcome = _run_and_hit(schedule, run_dir, cluster)
-    if outcome.code != 0:  # allowed: a failure reported in time, with the cause
+    if outcome.code != 0 and schedule.target == "engine_core":
+        # Allowed: a failure reported in time, with the cause.
         assert outcome.exit_s < FAIL_WITHIN_S and "run failed" in outcome.out, outcome.out[-4000:]
     else:
+        # The only rollouter killed: no other feeds the trainer until its replacement does.
+        assert outcome.code == 0, outcome.out[-4000:]
         _assert_invariants(run_dir, outcome.records, schedule.steps)
-        assert outcome.records[-1]["rollout/restarts"] >= 1
+        assert outcome.records[-1]["rollout/restarts"] == 1
     _report(run_dir.name, outcome, started)
 
 

@@ -27,8 +27,8 @@ def test_sizes_have_the_parameter_counts_they_are_named_for() -> None:
     assert SIZES["0.5B"].dtype == "bfloat16"
 
 
-# Two vLLM engines, four trainer runs, a queue run: the bench's --quick run measured 10-11 min
-# at load 15-25 on 2 shared cores (2-3 of them Ray start-up retries); not timed quiet.
+# One vLLM engine, two trainer runs, a queue run: ~193 s in CI with two sizes, about half that
+# with the one size it runs now.
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_quick_scale_bench_reports_every_figure(tmp_path: Path) -> None:
@@ -41,7 +41,7 @@ def test_quick_scale_bench_reports_every_figure(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["bench"] == "scale" and figures["quick"] is True
-    for size in ("0.1M", "10M"):
+    for size in ("0.1M",):
         assert figures[f"push_vs_memcpy_{size}"] > 1.0  # the push copies the bytes at least once
         assert 0.0 < figures[f"trainer_vs_minimal_{size}"] < 20.0
         assert 0.1 < figures[f"peak_rss_gb_{size}"] < 24.0

@@ -88,7 +88,9 @@ def zero_reward(sample: Any, trajectory: Any) -> float:
 def _set_environment(workdir: Path) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # worker in the engine core
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(workdir / "inductor"))
+    from train_app.driver.cluster import compile_cache_dir
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir(workdir / "inductor"))
 
 
 def build_model(directory: Path) -> Any:

@@ -76,7 +76,8 @@ SIZES = {
     "100M": ModelSize("100M", 768, 12, 12, 2, 2048, 32_768, "float32", (16, 48, 2, 4, 1, 1)),
     "0.5B": ModelSize("0.5B", 896, 24, 14, 2, 4864, 151_936, "bfloat16", (16, 48, 2, 2, 1, 1)),
 }
-QUICK_SIZES = ("0.1M", "10M")
+# A smoke run: one engine start, every part of the bench (the plot has one point).
+QUICK_SIZES = ("0.1M",)
 # (max_tokens, prompts, n, max concurrency): about the same token count per length.
 LONG_FULL = ((8, 64, 8, 16), (512, 8, 4, 8), (4096, 2, 2, 4))
 LONG_QUICK = ((8, 16, 4, 8), (512, 2, 2, 4), (4096, 1, 1, 1))
@@ -291,11 +292,12 @@ async def _pushes(host: Any, model: Any, count: int) -> tuple[dict[str, float], 
 
 async def _engine_part(size: ModelSize, model_dir: Path, model: Any, quick: bool) -> dict:
     import ray
+    from train_app.driver.cluster import compile_cache_dir
 
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "HF_HUB_OFFLINE": "1",
-        "TORCHINDUCTOR_CACHE_DIR": str(model_dir.parent / "inductor"),
+        "TORCHINDUCTOR_CACHE_DIR": str(compile_cache_dir(model_dir.parent / "inductor")),
     }
     started = time.perf_counter()
     host = ray.remote(_EngineHost).options(runtime_env={"env_vars": env}, max_concurrency=8)

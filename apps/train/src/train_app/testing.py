@@ -34,10 +34,11 @@ def local_ray_cluster(work_dir: Path, num_cpus: int = TEST_CLUSTER_CPUS) -> Iter
     import ray
 
     from train_app.driver import WORKER_ENV, start_local_ray
+    from train_app.driver.cluster import compile_cache_dir
 
     if ray.is_initialized():
         ray.shutdown()
-    env = {**WORKER_ENV, "TORCHINDUCTOR_CACHE_DIR": str(work_dir / ".inductor")}
+    env = {**WORKER_ENV, "TORCHINDUCTOR_CACHE_DIR": str(compile_cache_dir(work_dir / ".inductor"))}
     options = {
         "log_to_driver": False,
         "runtime_env": {"env_vars": env},

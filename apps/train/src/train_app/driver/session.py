@@ -23,6 +23,7 @@ from train_app.config import TrainConfig
 from train_app.driver.accounting import SETTLE_S, account_groups
 from train_app.driver.aio import await_ref, finish_despite_cancel, quietly, uncancel
 from train_app.driver.cluster import (
+    compile_cache_dir,
     reap,
     start_ray,
     stop_local_ray,
@@ -79,7 +80,7 @@ def run(
         # RAY_ENABLE_UV_RUN_RUNTIME_ENV at import, and under `uv run` it would otherwise start
         # every worker with `uv run` in a copy of the working directory, without the venv.
         os.environ.update({k: v for k, v in worker_env(config).items() if k not in os.environ})
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((run_dir / ".inductor").resolve()))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir(run_dir / ".inductor"))
         stack.enter_context(capture_driver_logs(run_dir, verbose=config.verbose))
         # Before Ray starts: a resume with no usable checkpoint ends here, in one line.
         resume = _resume_point(config, run_dir) if config.resume else None
