@@ -25,6 +25,8 @@ def test_every_setting_parses_as_app_options(setting: str) -> None:
     assert (config.is_level == "sequence") == ("seq-is" in setting)
     assert (config.is_mode == "mask") == ("mask-is" in setting)
     assert config.partial_rollout == setting.endswith("-partial")
+    assert (config.clip_eps_high == 0.28) == ("clip-higher" in setting)
+    assert (config.filter_groups == "zero-variance") == setting.endswith("-filter")
 
 
 def test_quick_grid_is_part_of_the_grid() -> None:

@@ -33,6 +33,9 @@ GRID: dict[str, tuple[str, tuple[str, ...]]] = {
     "k2-fresh-seq-is": ("async", ("--is-level", "sequence")),
     "k2-fresh-mask-is": ("async", ("--is-mode", "mask")),
     "k2-fresh-partial": ("async", ("--partial-rollout",)),
+    "k2-fresh-clip-higher": ("async", ("--clip-eps-high", "0.28")),
+    "k2-fresh-filter": ("async", ("--filter-groups", "zero-variance")),
+    "sync-filter": ("sync", ("--filter-groups", "zero-variance")),
 }
 QUICK_GRID = ("sync", "k2-fresh")
 # Seeds 0..N-1 per setting and trainer steps per run of the full study.
