@@ -18,6 +18,7 @@ from bench_app.e2e_bench import (
     overlap_bound,
     per_seed_rows,
     plot,
+    policy_rewards,
     ratio_of_means,
     running_mean,
 )
@@ -51,6 +52,20 @@ def _records(rewards: list[float], step_s: float, wait_s: float, staleness: floa
         }
         for i, r in enumerate(rewards)
     ]
+
+
+def test_a_filtering_run_is_judged_on_the_reward_of_what_it_generated() -> None:
+    """The trained batch's reward unless groups were filtered; then the rollouters' reward
+    of everything generated, carried over rows that have none."""
+    plain = [{"reward/mean": 0.2}, {"reward/mean": 0.4, "rollout/generated_reward/mean": 0.9}]
+    assert policy_rewards(plain) == [0.2, 0.4]
+    filtered = [
+        {"reward/mean": 0.5, "rollout/generated_reward/mean": 0.3},
+        {"reward/mean": 0.6},
+        {"reward/mean": 0.7, "rollout/generated_reward/mean": 0.4, "rollout/filtered_groups": 3},
+    ]
+    assert policy_rewards(filtered) == [0.3, 0.3, 0.4]
+    assert policy_rewards([{"reward/mean": 0.5, "rollout/filtered_groups": 1}]) == [0.5]
 
 
 def test_figures_time_to_target_and_phases() -> None:

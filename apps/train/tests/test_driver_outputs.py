@@ -70,6 +70,21 @@ def test_rows_are_counted_not_kept_and_the_summary_is_read_back(tmp_path: Path) 
     assert (tmp_path / "reward.png").stat().st_size > 0
 
 
+def test_each_row_has_the_reward_of_what_was_generated_since_the_last(tmp_path: Path) -> None:
+    """`rollout/generated_reward/mean` is the interval's mean from the rollouters' cumulative
+    sum and count: absent when nothing new was generated, and after a replaced replica
+    started its count again (the next row measures from there)."""
+    reporter = _reporter(tmp_path)
+    reporter.open()
+    cumulative = [(2.0, 4), (5.0, 8), (5.0, 8), (1.0, 4), (4.0, 8)]
+    for step, (total, count) in enumerate(cumulative, start=1):
+        row = {"reward/mean": 0.5, "rollout/generated_reward_sum": total}
+        reporter._write_row(step, {**row, "rollout/generated_responses": float(count)}, 0)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    means = [row.get("rollout/generated_reward/mean") for row in rows]
+    assert means == [0.5, 0.75, None, None, 0.75]
+
+
 def test_a_resumed_run_counts_its_kept_rows_apart_from_its_own(tmp_path: Path) -> None:
     with (tmp_path / "metrics.jsonl").open("w") as file:
         for step in range(1, 6):

@@ -164,3 +164,27 @@ def test_without_the_filter_zero_variance_groups_are_delivered() -> None:
     stats = _virtual(rollouter.run())
     assert stats.delivered == 12 and stats.filtered == 0
     assert sum(1 for g in sink.groups if len({t.reward for t in g}) == 1) == 4
+
+
+def test_generated_reward_counts_every_response_the_filter_left_out() -> None:
+    """`rollout/generated_reward_sum` / `rollout/generated_responses` is the reward of what
+    the policy generated, filtered groups included: here 4 of 12 prompts are solved by every
+    response (reward 1 each) and filtered out, the other 8 reward one response of 4, so the
+    delivered groups average 0.25 while everything generated averages 0.5."""
+    sink = ListSink()
+    config = RolloutConfig(
+        group_size=GROUP,
+        max_concurrency=4,
+        groups_per_step=4,
+        generation_only=True,
+        filter_groups="zero-variance",
+    )
+    engine = FakeEngine(FakeEngineConfig(seed=3, time_per_token_s=0.01))
+    rollouter = Rollouter(engine, make_prompts(12), sink, _reward, config)
+    stats = _virtual(rollouter.run())
+    assert (stats.delivered, stats.filtered) == (8, 4)
+    delivered = [t.reward for g in sink.groups for t in g]
+    assert sum(delivered) / len(delivered) == 0.25
+    metrics = rollouter.metrics()
+    assert metrics["rollout/generated_responses"] == stats.generated_responses == 12 * GROUP
+    assert metrics["rollout/generated_reward_sum"] == stats.generated_reward_sum == 24.0

@@ -6,8 +6,9 @@ training, default settings except `--mode` and `--seed`. For each seed the sync 
 train the same number of steps. Users measure time to a reward, so that is the headline:
 
 - seconds (and steps) until the 10-step running mean of `reward/mean` first reaches 0.7
-  (and 0.6), on the trainer's clock (`trainer/wall_s`: from the start of training, engine
-  start-up excluded, which is the same in both modes and reported apart);
+  (and 0.6; a run that filters groups is judged on the reward of everything it generated,
+  see `policy_rewards`), on the trainer's clock (`trainer/wall_s`: from the start of
+  training, engine start-up excluded, which is the same in both modes and reported apart);
 - final reward: the mean of the last tenth of the steps;
 - speedup: sync train wall / async train wall (same steps, so the steps/s ratio);
 - the overlap bound (g + t) / max(g, t) from the sync run's measured phases (g: seconds a step
@@ -62,6 +63,7 @@ __all__ = [
     "overlap_bound",
     "per_seed_rows",
     "plot",
+    "policy_rewards",
     "ratio_of_means",
     "run",
     "running_mean",
@@ -149,13 +151,30 @@ def first_reaching(running: Sequence[float], target: float, full_windows_from: i
     return None
 
 
+def policy_rewards(records: Sequence[dict[str, Any]]) -> list[float]:
+    """The reward per step the targets are judged on: the trained batch's `reward/mean`,
+    unless the run filtered groups (`--filter-groups`): the batch then leaves out groups whose
+    rewards all matched, often all 0 early and all 1 late, so its mean is biased. Such a run
+    is judged on the rollouters' `rollout/generated_reward/mean` (every generated response,
+    whatever became of its group), carried forward over rows without a new value."""
+    if not float(records[-1].get("rollout/filtered_groups", 0.0)) > 0:
+        return [float(r["reward/mean"]) for r in records]
+    rewards: list[float] = []
+    for record in records:
+        value = record.get("rollout/generated_reward/mean")
+        if value is None:  # nothing new generated since the last row: carry it forward
+            value = rewards[-1] if rewards else record["reward/mean"]
+        rewards.append(float(value))
+    return rewards
+
+
 def figures_from_records(
     mode: str, seed: int, records: list[dict[str, Any]], summary: dict[str, Any]
 ) -> RunFigures:
     records = [r for r in records if "reward/mean" in r]
     if not records:
         raise RuntimeError(f"{mode} seed {seed}: no metric rows")
-    rewards = [float(r["reward/mean"]) for r in records]
+    rewards = policy_rewards(records)
     wall = [float(r.get("trainer/wall_s", math.nan)) for r in records]
     running = running_mean(rewards)
     full = min(RUNNING_MEAN - 1, len(running) - 1)

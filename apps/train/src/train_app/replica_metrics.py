@@ -28,6 +28,8 @@ SUMMED = frozenset(
         "rollout/active_tasks",
         "rollout/failed",
         "rollout/filtered_groups",
+        "rollout/generated_reward_sum",
+        "rollout/generated_responses",
         "rollout/stale_retried",
         "tokens/s",
         # What a resumed run continued from its checkpoint's in-flight groups

@@ -100,4 +100,5 @@ class GroupDelivery:
             staleness=staleness,
             generated_tokens=sum(t.num_generated for t in trajectories),
             partial=count_partial([t.generated_versions for t in trajectories]),
+            reward_sum=sum(t.reward for t in trajectories),
         )

@@ -188,6 +188,8 @@ class GroupLedger:
             restored=restored,
             restore_dropped=restore_dropped,
             restore_dropped_tokens=restore_dropped_tokens,
+            generated_reward_sum=counters.generated_reward_sum,
+            generated_responses=counters.generated_responses,
         )
 
     def count_requeued(self, count: int) -> None:

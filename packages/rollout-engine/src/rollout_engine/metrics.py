@@ -20,6 +20,11 @@ Metric names are part of the interface:
 - `rollout/filtered_groups`: groups dropped by the group filter (dynamic sampling) so far.
 - `rollout/stale_retried`: groups dropped as too stale at delivery whose prompt was admitted
   again (`RolloutConfig.retry_stale`) so far.
+- `rollout/generated_reward_sum`, `rollout/generated_responses`: the rewards of every
+  response generated so far, whatever became of its group (delivered, filtered out, or too
+  stale), and how many: the policy's reward as it samples, which a group filter does not
+  bias (the trained batch's `reward/mean` leaves filtered groups out). Cumulative, so a
+  reader takes the mean of any interval from two readings.
 - `tokens/s`: tokens generated (delivered and dropped groups) / run seconds.
 """
 
@@ -60,6 +65,8 @@ METRIC_NAMES = (
     "rollout/pacing_lookahead",
     "rollout/filtered_groups",
     "rollout/stale_retried",
+    "rollout/generated_reward_sum",
+    "rollout/generated_responses",
     "staleness/mean",
     "staleness/max",
     "tokens/s",
@@ -113,6 +120,8 @@ class RolloutStats(msgspec.Struct, kw_only=True):
     restored: int = 0  # groups restored from a snapshot and queued for admission
     restore_dropped: int = 0  # restored groups whose partials were too stale (prompt restarts)
     restore_dropped_tokens: int = 0  # tokens of those dropped partials
+    generated_reward_sum: float = 0.0  # rewards of every generated response, any outcome
+    generated_responses: int = 0  # how many responses that sum covers
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +133,7 @@ class GroupOutcome:
     generated_tokens: int
     partial: int
     filtered: bool = False  # generated, not too stale, rejected by the group filter
+    reward_sum: float = 0.0  # the rewards of its responses, whatever its outcome
 
 
 class IdleClock:
@@ -181,6 +191,8 @@ class RolloutCounters:
     generated_tokens: int = 0
     staleness_sum: int = 0
     staleness_max: int = 0
+    generated_reward_sum: float = 0.0
+    generated_responses: int = 0
     drain_interrupts_ms: deque[float] = field(
         default_factory=lambda: deque(maxlen=DRAIN_INTERRUPT_WINDOW)
     )
@@ -192,6 +204,8 @@ class RolloutCounters:
 
     def record(self, outcome: GroupOutcome) -> None:
         self.generated_tokens += outcome.generated_tokens
+        self.generated_reward_sum += outcome.reward_sum
+        self.generated_responses += len(outcome.staleness)
         if outcome.filtered:
             self.filtered += 1
             return
@@ -228,6 +242,8 @@ def metric_values(stats: RolloutStats) -> dict[str, float]:
         "rollout/drain_interrupt_ms": stats.drain_interrupt_ms,
         "rollout/pacing_lookahead": float(stats.lookahead),
         "rollout/filtered_groups": float(stats.filtered),
+        "rollout/generated_reward_sum": stats.generated_reward_sum,
+        "rollout/generated_responses": float(stats.generated_responses),
         "staleness/mean": stats.staleness_mean,
         "staleness/max": float(stats.staleness_max),
         "tokens/s": stats.generated_tokens / elapsed if elapsed > 0 else 0.0,

@@ -61,6 +61,8 @@ class Reporter:
         self.first_row: dict[str, Any] | None = None
         """This run's first metrics row (the rows themselves live only in the file)."""
         self.rollout_metrics: dict[str, Any] = {}
+        self._generated_seen: tuple[float, float] = (0.0, 0.0)
+        """The rollouters' generated reward sum and response count at the last row."""
         self.timings: dict[str, float] = {}
         held_out = run_plan.replicas[0].eval if run_plan.replicas else None
         self.evals = EvalCollector(len(run_plan.replicas), held_out.n) if held_out else None
@@ -157,9 +159,30 @@ class Reporter:
             record["queue/resume_requeued"] = float(len(queued.items))
             record["queue/resume_dropped_stale"] = float(queued.dropped_stale)
             record["queue/resume_dropped_tokens"] = float(queued.dropped_tokens)
+        mean = self._generated_reward_mean(record)
+        if mean is not None:
+            record["rollout/generated_reward/mean"] = mean
         self.writer.log(record, step)
         if self.first_row is None:
             self.first_row = self.writer.last_row
+
+    def _generated_reward_mean(self, record: dict[str, Any]) -> float | None:
+        """The mean reward of the responses the rollouters generated since the last row
+        that had one, whatever became of their groups (a group filter leaves the trained
+        batch's `reward/mean` biased; this is the policy's own). None when nothing new was
+        generated, or a replaced replica started its count again (that row has none)."""
+        total = record.get("rollout/generated_reward_sum")
+        count = record.get("rollout/generated_responses")
+        if total is None or count is None:
+            return None
+        seen_total, seen_count = self._generated_seen
+        if count < seen_count:  # a replica's counts restarted with it: a new baseline
+            self._generated_seen = (total, count)
+            return None
+        if count == seen_count:
+            return None
+        self._generated_seen = (total, count)
+        return (total - seen_total) / (count - seen_count)
 
     async def write_failures(self, rollouts: list[Any]) -> None:
         failures = await asyncio.gather(
