@@ -99,7 +99,8 @@ async def test_blocking_reward_runs_off_the_event_loop() -> None:
 
 async def test_metrics_use_design_names() -> None:
     engine = FakeEngine(FakeEngineConfig(time_per_token_s=0.0005))
-    rollouter = Rollouter(engine, make_prompts(6), ListSink(), length_reward, RolloutConfig(2))
+    sink = ListSink()
+    rollouter = Rollouter(engine, make_prompts(6), sink, length_reward, RolloutConfig(2))
     await asyncio.wait_for(rollouter.run(), timeout=30)
     metrics = rollouter.metrics()
     assert (
@@ -113,12 +114,18 @@ async def test_metrics_use_design_names() -> None:
             "rollout/pacing_lookahead",
             "rollout/filtered_groups",
             "rollout/stale_retried",
+            "rollout/generated_reward_sum",
+            "rollout/generated_responses",
             "staleness/mean",
             "staleness/max",
             "tokens/s",
         }
     )
     assert metrics["tokens/s"] > 0
+    # Nothing filtered or dropped here: what was generated is what was delivered.
+    delivered = [t.reward for group in sink.groups for t in group]
+    assert metrics["rollout/generated_responses"] == len(delivered) > 0
+    assert metrics["rollout/generated_reward_sum"] == pytest.approx(sum(delivered))
     assert metrics["rollout/active_tasks"] == 0
     assert 0 <= metrics["rollout/idle_ratio"] <= 1
 
