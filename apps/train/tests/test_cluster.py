@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -102,6 +103,15 @@ def test_ray_init_leaves_the_drivers_sigterm_handler_in_place(
         signal.signal(signal.SIGTERM, previous)
 
 
+def _child_prints(code: str, cwd: Path) -> list[str]:
+    """What `code` prints in a child interpreter (which must exit 0), split on whitespace."""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.split()
+
+
 def test_processes_left_after_ray_shutdown_are_killed(tmp_path) -> None:
     """A child the shutdown did not end (an engine core the raylet was gone too soon to
     reap) is killed after the grace time; one that ends by itself is left alone. In a child
@@ -117,11 +127,7 @@ def test_processes_left_after_ray_shutdown_are_killed(tmp_path) -> None:
         "print({stays.pid, ends.pid} <= found)\n"
         "print(cluster.reap([], exit_s=3.0) == [stays.pid], psutil.pid_exists(stays.pid))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["True", "True", "False"], out.stdout
+    assert _child_prints(code, tmp_path) == ["True", "True", "False"]
 
 
 def test_an_orphan_of_the_cluster_is_adopted_and_killed(tmp_path) -> None:
@@ -140,11 +146,7 @@ def test_an_orphan_of_the_cluster_is_adopted_and_killed(tmp_path) -> None:
         "assert psutil.Process(orphan).ppid() == psutil.Process().pid, 'not adopted'\n"
         "print(cluster.reap([], exit_s=1.0) == [orphan], psutil.pid_exists(orphan))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["True", "False"], out.stdout
+    assert _child_prints(code, tmp_path) == ["True", "False"]
 
 
 _OPEN_PORTS_PROBE = """

@@ -166,8 +166,8 @@ STREAM_INTERVAL = 8
 # The engine core ends with its actor however the actor dies (no orphaned engine core).
 ENGINE_TIED_TO_HOST = True
 # Seconds an engine's close lets its engine-core process exit before killing it. The core
-# holds nothing to save, and its own teardown took ~3 s after SIGTERM here (measured), so it
-# was killed at any grace under that: a short one ends every run sooner.
+# holds nothing to save, and its own teardown takes ~3 s after SIGTERM on CPU, so any grace
+# under that ends in the kill anyway: a short one ends every run sooner.
 ENGINE_SHUTDOWN_TIMEOUT_S = 0.5
 
 # Trainer (PPO/GRPO): no weight decay, Adam's usual moments, no warm-up (tiny learning rates
