@@ -62,15 +62,19 @@ class Schedule:
     target: str  # "rollouter", "queue", "trainer", "engine_core" or "driver"
     replicas: int = 2
     vllm: bool = False
+    tail: int = 0
+    """Steps added after the latest hit step: a hit that must land while the run still needs
+    the target. metrics.jsonl is written every 0.5 s, and a fast trainer is up to ~7 steps
+    past what it shows; with the queue K + 1 steps ahead, it can finish without the target."""
 
     @property
     def steps(self) -> int:
-        return 8 if self.vllm else STEPS
+        return (8 if self.vllm else STEPS) + self.tail
 
     @property
     def hit_step(self) -> int:
         """The step after which the hit comes (seeded; early enough to leave steps to run)."""
-        return random.Random(self.seed).randint(2, self.steps - 4)
+        return random.Random(self.seed).randint(2, self.steps - self.tail - 4)
 
 
 @pytest.fixture(scope="module")
@@ -274,8 +278,8 @@ def test_killed_trainer_fails_the_run_and_resume_completes_it(cluster: str, tmp_
     [
         Schedule(seed=4, target="engine_core", vllm=True),
         # One replica: with two, the survivor can finish the run before Ray reports the
-        # death (no restart to check); alone, the run needs the replacement.
-        Schedule(seed=7, target="rollouter", replicas=1, vllm=True),
+        # death (no restart to check); alone, and with a tail, the run needs the replacement.
+        Schedule(seed=7, target="rollouter", replicas=1, vllm=True, tail=12),
     ],
     ids=["engine-core", "rollouter-process"],
 )

@@ -13,6 +13,7 @@ what the tokens are, and a fake engine starts in milliseconds instead of a minut
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -84,8 +85,10 @@ def test_killed_rollouter_is_restarted_and_the_run_finishes(
     killer = _Killer(run_dir, after=3)
     killer.start()
     try:
+        # Slow tokens: at the default 0.01 s the trainer ran ~7 steps ahead of metrics.jsonl
+        # (written every 0.5 s) and could finish from the queue before the kill was seen.
         result = run(_config(tmp_path, run_dir.name), Console(file=io.StringIO()),
-                     adjust_plan=fake_engines)  # fmt: skip
+                     adjust_plan=functools.partial(fake_engines, time_per_token_s=0.05))  # fmt: skip
     finally:
         killer.stop()
     assert killer.killed_pid is not None, "the run ended before the kill"
