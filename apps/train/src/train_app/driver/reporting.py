@@ -61,8 +61,8 @@ class Reporter:
         self.first_row: dict[str, Any] | None = None
         """This run's first metrics row (the rows themselves live only in the file)."""
         self.rollout_metrics: dict[str, Any] = {}
-        self._generated_seen: tuple[float, float] = (0.0, 0.0)
-        """The rollouters' generated reward sum and response count at the last row."""
+        self._generated_seen: dict[str, tuple[float, float]] = {}
+        """Each replica's generated reward sum and response count at the last row."""
         self.timings: dict[str, float] = {}
         held_out = run_plan.replicas[0].eval if run_plan.replicas else None
         self.evals = EvalCollector(len(run_plan.replicas), held_out.n) if held_out else None
@@ -170,19 +170,21 @@ class Reporter:
         """The mean reward of the responses the rollouters generated since the last row
         that had one, whatever became of their groups (a group filter leaves the trained
         batch's `reward/mean` biased; this is the policy's own). None when nothing new was
-        generated, or a replaced replica started its count again (that row has none)."""
-        total = record.get("rollout/generated_reward_sum")
-        count = record.get("rollout/generated_responses")
-        if total is None or count is None:
+        generated. Counted per replica: a replica whose count fell was replaced, and its
+        replacement's count starts from zero (what its predecessor generated after the last
+        row is lost with it)."""
+        seen, total_delta, count_delta = {}, 0.0, 0.0
+        for replica, (total, count) in _generated_counts(record).items():
+            seen_total, seen_count = self._generated_seen.get(replica, (0.0, 0.0))
+            if count < seen_count:  # replaced: the new actor counts from zero
+                seen_total, seen_count = 0.0, 0.0
+            total_delta += total - seen_total
+            count_delta += count - seen_count
+            seen[replica] = (total, count)
+        if not seen:
             return None
-        seen_total, seen_count = self._generated_seen
-        if count < seen_count:  # a replica's counts restarted with it: a new baseline
-            self._generated_seen = (total, count)
-            return None
-        if count == seen_count:
-            return None
-        self._generated_seen = (total, count)
-        return (total - seen_total) / (count - seen_count)
+        self._generated_seen = seen
+        return total_delta / count_delta if count_delta > 0 else None
 
     async def write_failures(self, rollouts: list[Any]) -> None:
         failures = await asyncio.gather(
@@ -263,3 +265,20 @@ def progress_bar(console: Console, enabled: bool) -> Progress:
         disable=not enabled,
         transient=False,
     )
+
+
+def _generated_counts(record: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """(generated reward sum, responses) per replica (`rollout/replica{i}/...`, kept with 2+
+    replicas), or of the one replica (the run's own figures)."""
+    names = ("generated_reward_sum", "generated_responses")
+    counts = {}
+    for key, total in record.items():
+        prefix = key.removesuffix(names[0])
+        if prefix != key and prefix.startswith("rollout/replica"):
+            count = record.get(prefix + names[1])
+            if count is not None:
+                counts[prefix] = (float(total), float(count))
+    if counts:
+        return counts
+    total, count = record.get("rollout/" + names[0]), record.get("rollout/" + names[1])
+    return {} if total is None or count is None else {"rollout/": (float(total), float(count))}
