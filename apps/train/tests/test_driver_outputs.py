@@ -34,12 +34,13 @@ def _no_tensorboard(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
-def _plan(run_dir: Path, resume: ResumePoint | None = None) -> RunPlan:
-    return plan(TrainConfig(steps=20), run_dir=run_dir, resume=resume)
+def _plan(run_dir: Path, resume: ResumePoint | None = None, replicas: int = 1) -> RunPlan:
+    config = TrainConfig(steps=20, rollout_replicas=replicas)
+    return plan(config, run_dir=run_dir, resume=resume)
 
 
-def _reporter(run_dir: Path, resume: ResumePoint | None = None) -> Reporter:
-    return Reporter(_plan(run_dir, resume), Console(file=io.StringIO()))
+def _reporter(run_dir: Path, resume: ResumePoint | None = None, replicas: int = 1) -> Reporter:
+    return Reporter(_plan(run_dir, resume, replicas), Console(file=io.StringIO()))
 
 
 def test_rows_are_counted_not_kept_and_the_summary_is_read_back(tmp_path: Path) -> None:
@@ -89,7 +90,7 @@ def test_generated_reward_is_counted_per_replica_across_a_restart(tmp_path: Path
     """Two replicas; replica 0 is replaced between rows 2 and 3 while replica 1's new
     responses keep the summed count rising: the row counts replica 0's replacement from zero
     and replica 1 from its last row (the summed counters alone would give 0.0)."""
-    reporter = _reporter(tmp_path)
+    reporter = _reporter(tmp_path, replicas=2)
     reporter.open()
     replica0 = [(2.0, 4), (4.0, 8), (1.0, 2)]
     replica1 = [(1.0, 4), (3.0, 8), (6.0, 16)]

@@ -63,6 +63,11 @@ class Reporter:
         self.rollout_metrics: dict[str, Any] = {}
         self._generated_seen: dict[str, tuple[float, float]] = {}
         """Each replica's generated reward sum and response count at the last row."""
+        replicas = len(run_plan.replicas)
+        # Where each replica's own figures are (`replica_metrics`: kept apart with 2+).
+        self._prefixes = (
+            [f"rollout/replica{i}/" for i in range(replicas)] if replicas > 1 else ["rollout/"]
+        )
         self.timings: dict[str, float] = {}
         held_out = run_plan.replicas[0].eval if run_plan.replicas else None
         self.evals = EvalCollector(len(run_plan.replicas), held_out.n) if held_out else None
@@ -174,7 +179,7 @@ class Reporter:
         replacement's count starts from zero (what its predecessor generated after the last
         row is lost with it)."""
         seen, total_delta, count_delta = {}, 0.0, 0.0
-        for replica, (total, count) in _generated_counts(record).items():
+        for replica, (total, count) in _generated_counts(record, self._prefixes).items():
             seen_total, seen_count = self._generated_seen.get(replica, (0.0, 0.0))
             if count < seen_count:  # replaced: the new actor counts from zero
                 seen_total, seen_count = 0.0, 0.0
@@ -267,18 +272,14 @@ def progress_bar(console: Console, enabled: bool) -> Progress:
     )
 
 
-def _generated_counts(record: dict[str, Any]) -> dict[str, tuple[float, float]]:
-    """(generated reward sum, responses) per replica (`rollout/replica{i}/...`, kept with 2+
-    replicas), or of the one replica (the run's own figures)."""
-    names = ("generated_reward_sum", "generated_responses")
+def _generated_counts(
+    record: dict[str, Any], prefixes: list[str]
+) -> dict[str, tuple[float, float]]:
+    """(generated reward sum, responses) under each of `prefixes` that the row has."""
     counts = {}
-    for key, total in record.items():
-        prefix = key.removesuffix(names[0])
-        if prefix != key and prefix.startswith("rollout/replica"):
-            count = record.get(prefix + names[1])
-            if count is not None:
-                counts[prefix] = (float(total), float(count))
-    if counts:
-        return counts
-    total, count = record.get("rollout/" + names[0]), record.get("rollout/" + names[1])
-    return {} if total is None or count is None else {"rollout/": (float(total), float(count))}
+    for prefix in prefixes:
+        total = record.get(prefix + "generated_reward_sum")
+        count = record.get(prefix + "generated_responses")
+        if total is not None and count is not None:
+            counts[prefix] = (float(total), float(count))
+    return counts
