@@ -17,7 +17,7 @@ sequence finishes, those exact spans replace the arrival stamps (tokens sampled 
 but delivered after it would otherwise get the new version).
 
 Environment: set `VLLM_ENABLE_V1_MULTIPROCESSING=0` before `create` to run the worker inside
-the engine-core process (start-up ~45 s instead of ~80 s on CPU).
+the engine-core process (one process fewer to start on CPU).
 """
 
 from __future__ import annotations
