@@ -357,3 +357,21 @@ def test_value_loss_gradient_by_hand() -> None:
     loss.backward()
     assert values.grad is not None
     torch.testing.assert_close(values.grad, torch.tensor([[-1.4 / 2, 0.0]]))
+
+
+def test_importance_weights_on_their_own_mask_outside_the_cap_and_skip_padding() -> None:
+    # w = prox / behav = [3, 0.2, 1, (padding with a NaN behaviour log-prob)], cap 2
+    from ppo_trainer.losses import importance_weights
+
+    prox = torch.zeros(1, 4)
+    behav = torch.tensor([[-math.log(3.0), -math.log(0.2), 0.0, NAN]])
+    valid = torch.tensor([[True, True, True, False]])
+    masked = importance_weights(prox, behav, valid, is_cap=2.0, is_mode="mask")
+    # padding gets exp(0) = 1, not the NaN: it is selected away before `exp`
+    assert masked.weight.tolist() == [[0.0, 0.0, 1.0, 1.0]]
+    assert masked.masked.tolist() == [[True, True, False, False]]
+    assert not masked.capped.any()
+    truncated = importance_weights(prox, behav, valid, is_cap=2.0)
+    assert truncated.weight.tolist() == pytest.approx([[2.0, 0.2, 1.0, 1.0]])
+    assert truncated.capped.tolist() == [[True, False, False, False]]
+    assert importance_weights(prox, None, valid).weight.tolist() == [[1.0] * 4]

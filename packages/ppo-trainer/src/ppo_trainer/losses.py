@@ -10,6 +10,8 @@ a loss, a metric or a gradient.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ppo_trainer.config import IS_LEVELS, IS_MODES, ISLevel, ISMode, KLEstimator, LossAgg
@@ -18,8 +20,10 @@ __all__ = [
     "KL_CLAMP",
     "KL_LOG_RATIO_CLAMP",
     "LOG_RATIO_CLAMP",
+    "ImportanceWeights",
     "aggregate_loss",
     "entropy_from_logits",
+    "importance_weights",
     "kl_penalty",
     "masked_mean",
     "masked_sum",
@@ -171,91 +175,138 @@ def policy_loss(
     """Clipped (decoupled) PPO policy loss; returns (scalar loss, detached metrics).
 
     Per token, with log r = clamp(logp - prox_logp, -20, 20), r = exp(log r), e_lo =
-    clip_eps and e_hi = clip_eps_high:
+    clip_eps and e_hi = clip_eps_high (default: clip_eps):
 
         l = max(-A * r, -A * clip(r, 1 - e_lo, 1 + e_hi))    (= -min(r*A, clip(r)*A))
         l = min(l, -c * A)          where A < 0, if dual_clip = c (bounds huge ratios)
-        l = l * w,   w = min(exp(clamp(prox_logp - behav_logp, -20, 20)), is_cap)  (detached)
+        l = l * w                   w: the importance weight, see `importance_weights`
 
     `prox_logp` is the proximal policy (the trainer's current weights before this step's
     updates, recomputed without gradient); `behav_logp` is the engine's (behaviour) policy.
-    Without `behav_logp` w = 1 (plain PPO with `prox_logp` as the old policy).
-
-    `is_level="sequence"` uses one weight per sequence, the product of its tokens' ratios
-    (log w = sum over the response of prox_logp - behav_logp, clamped like above), on every
-    token of it. `is_mode="mask"` drops (weight 0) the tokens, or sequences, whose weight
-    lies outside [1 / is_cap, is_cap] instead of truncating it to is_cap: a sample the
-    behaviour policy made far too likely or unlikely then teaches nothing rather than
-    something biased. The clamps
-    keep `exp` finite (a log-ratio of 25 is treated as 20); masked positions are selected
-    away before anything is computed on them, so NaN/inf there reach neither the loss nor
-    the gradient.
-
-    Metrics (masked means over tokens): `clipfrac` (the clipped branch is active,
-    i.e. -A*clip(r) > -A*r), `dual_clipfrac`, `approx_kl` = mean(clamp((r - 1) - log r,
-    max=10)) (the k3 estimate of KL(prox || current), clamped per token like `kl_clamp`),
-    `ppo_kl` = mean(-log r) (the k1 estimate, verl's `ppo_kl`), `is_weight_mean`,
-    `is_weight_max` (after truncation or masking), `is_capped_frac` (truncated),
-    `is_masked_frac` (masked), `ratio_mean`.
+    Without `behav_logp` w = 1 (plain PPO with `prox_logp` as the old policy). The tokens
+    are summed into one loss by `aggregate_loss` (`loss_agg`). The clamps keep `exp` finite;
+    masked positions are selected away before anything is computed on them, so NaN/inf there
+    reach neither the loss nor the gradient. Metrics: see `_policy_metrics`.
     """
     if is_level not in IS_LEVELS:
         raise ValueError(f"unknown is_level {is_level!r}; choose from {IS_LEVELS}")
     if is_mode not in IS_MODES:
         raise ValueError(f"unknown is_mode {is_mode!r}; choose from {IS_MODES}")
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     valid = mask.bool()
     zeros = torch.zeros_like(logp)
     advantages = torch.where(valid, advantages.to(logp.dtype), zeros)
     log_ratio = torch.where(valid, logp - prox_logp.detach(), zeros)
     log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    token_loss, is_clipped, dual_active = _clipped_token_loss(
+        ratio, advantages, clip_eps, eps_high, dual_clip
+    )
+    weights = importance_weights(
+        prox_logp, behav_logp, valid, is_cap=is_cap, is_level=is_level, is_mode=is_mode
+    )
+    token_loss = token_loss * weights.weight
+    loss = aggregate_loss(
+        token_loss, mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon
+    )
+    return loss, _policy_metrics(log_ratio, is_clipped, dual_active, weights, mask)
+
+
+def _clipped_token_loss(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate (and dual clip); returns it with where each clip was active."""
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     token_loss = torch.maximum(unclipped, clipped)
     is_clipped = clipped > unclipped
-
     dual_active = torch.zeros_like(is_clipped)
     if dual_clip is not None:
         bound = -advantages * dual_clip
         dual_active = (advantages < 0) & (bound < token_loss)
         token_loss = torch.where(advantages < 0, torch.minimum(token_loss, bound), token_loss)
+    return token_loss, is_clipped, dual_active
 
+
+@dataclass(frozen=True)
+class ImportanceWeights:
+    """Detached per-token importance weights, with where they were truncated or masked."""
+
+    weight: torch.Tensor
+    capped: torch.Tensor
+    masked: torch.Tensor
+
+
+def importance_weights(
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor | None,
+    valid: torch.Tensor,
+    *,
+    is_cap: float | None = None,
+    is_level: ISLevel = "token",
+    is_mode: ISMode = "truncate",
+) -> ImportanceWeights:
+    """w = exp(clamp(prox_logp - behav_logp, -20, 20)), corrected for the behaviour policy.
+
+    `is_level="sequence"` uses one weight per sequence, the product of its tokens' ratios
+    (log w = sum over the response of prox_logp - behav_logp, clamped the same way), on every
+    token of it. With `is_cap`, `is_mode="truncate"` caps w at is_cap; `is_mode="mask"` drops
+    (weight 0) the tokens, or sequences, whose weight lies outside [1 / is_cap, is_cap]: a
+    sample the behaviour policy made far too likely or unlikely then teaches nothing rather
+    than something biased. Without `behav_logp`, w = 1.
+    """
+    zeros = torch.zeros_like(prox_logp)
     if behav_logp is None:
-        weight = torch.ones_like(logp)
+        weight = torch.ones_like(prox_logp)
     else:
         log_w = torch.where(valid, prox_logp.detach() - behav_logp.detach(), zeros)
         if is_level == "sequence":
             log_w = log_w.sum(dim=-1, keepdim=True).expand_as(log_w)
         weight = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    capped = torch.zeros_like(is_clipped)
-    masked = torch.zeros_like(is_clipped)
+    capped = torch.zeros_like(valid)
+    masked = torch.zeros_like(valid)
     if is_cap is not None and is_mode == "truncate":
         capped = valid & (weight > is_cap)
         weight = weight.clamp(max=is_cap)
     elif is_cap is not None:
         masked = valid & ((weight > is_cap) | (weight < 1.0 / is_cap))
         weight = torch.where(masked, zeros, weight)
-    weight = weight.detach()
-    token_loss = token_loss * weight
+    return ImportanceWeights(weight.detach(), capped, masked)
 
-    loss = aggregate_loss(
-        token_loss, mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon
-    )
+
+def _policy_metrics(
+    log_ratio: torch.Tensor,
+    is_clipped: torch.Tensor,
+    dual_active: torch.Tensor,
+    weights: ImportanceWeights,
+    mask: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """Masked means over tokens: `clipfrac` (the clipped branch is active, i.e. -A*clip(r) >
+    -A*r), `dual_clipfrac`, `approx_kl` = mean(clamp((r - 1) - log r, max=10)) (the k3
+    estimate of KL(prox || current), clamped per token like `kl_clamp`), `ppo_kl` =
+    mean(-log r) (the k1 estimate, verl's `ppo_kl`), `is_weight_mean`, `is_weight_max`
+    (after truncation or masking), `is_capped_frac` (truncated), `is_masked_frac` (masked),
+    `ratio_mean`."""
+    valid = mask.bool()
+    weight = weights.weight
     with torch.no_grad():
         log_ratio = log_ratio.detach()
         k3 = (torch.expm1(log_ratio) - log_ratio).clamp(max=KL_CLAMP)
-        metrics = {
+        return {
             "clipfrac": masked_mean(is_clipped.float(), mask),
             "dual_clipfrac": masked_mean(dual_active.float(), mask),
             "approx_kl": masked_mean(k3, mask),
             "ppo_kl": masked_mean(-log_ratio, mask),
             "is_weight_mean": masked_mean(weight, mask),
             "is_weight_max": weight[valid].max() if valid.any() else weight.new_tensor(0.0),
-            "is_capped_frac": masked_mean(capped.float(), mask),
-            "is_masked_frac": masked_mean(masked.float(), mask),
-            "ratio_mean": masked_mean(ratio.detach(), mask),
+            "is_capped_frac": masked_mean(weights.capped.float(), mask),
+            "is_masked_frac": masked_mean(weights.masked.float(), mask),
+            "ratio_mean": masked_mean(torch.exp(log_ratio), mask),
         }
-    return loss, metrics
 
 
 def value_loss(
