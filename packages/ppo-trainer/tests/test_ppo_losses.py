@@ -372,6 +372,6 @@ def test_importance_weights_on_their_own_mask_outside_the_cap_and_skip_padding()
     assert masked.masked.tolist() == [[True, True, False, False]]
     assert not masked.capped.any()
     truncated = importance_weights(prox, behav, valid, is_cap=2.0)
-    assert truncated.weight.tolist() == pytest.approx([[2.0, 0.2, 1.0, 1.0]])
+    assert truncated.weight[0].tolist() == pytest.approx([2.0, 0.2, 1.0, 1.0])
     assert truncated.capped.tolist() == [[True, False, False, False]]
     assert importance_weights(prox, None, valid).weight.tolist() == [[1.0] * 4]
