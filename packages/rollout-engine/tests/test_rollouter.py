@@ -196,3 +196,21 @@ def test_import_does_not_pull_torch_or_vllm() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_methods_of_other_components_keep_their_docs_and_names() -> None:
+    from rollout_engine._delegate import Delegate
+    from rollout_engine.evaluation import Evaluator
+    from rollout_engine.resume import RolloutResume
+
+    assert Rollouter.restore.__doc__ == RolloutResume.restore.__doc__
+    assert Rollouter.snapshot_in_flight.__doc__ == RolloutResume.snapshot_in_flight.__doc__
+    assert Rollouter.evaluate.__doc__ == Evaluator.evaluate.__doc__
+    # Python 3.11 wraps an error in __set_name__ in a RuntimeError; 3.12 raises it as is
+    with pytest.raises((TypeError, RuntimeError)) as raised:
+
+        class Misnamed:
+            reload = Delegate("_resume", RolloutResume.restore)
+
+    error = raised.value.__cause__ or raised.value
+    assert "Misnamed.reload would delegate to restore" in str(error)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_EVAL_CONCURRENCY",
     "EvalResult",
     "EvalSetup",
+    "Evaluator",
     "evaluate",
     "pass_at_k",
     "run_eval_groups",
@@ -130,6 +131,64 @@ class EvalSetup:
     environment: EnvironmentFactory | None
     episode: EpisodeConfig | None
     evaluations: int = 0
+
+
+class Evaluator:
+    """A rollouter's evaluations (`Rollouter.evaluate` is `Evaluator.evaluate`): its engine,
+    weight gate, reward executor and default sampling, with the `setup` it reuses."""
+
+    def __init__(
+        self,
+        setup: EvalSetup,
+        *,
+        engine: GenerationEngine,
+        sampling: SamplingConfig,
+        wait_until_resumed: Callable[[], Awaitable[None]],
+        version: Callable[[], int],
+        clock: Callable[[], float],
+        reward_executor: Callable[[], Executor],
+    ) -> None:
+        self._setup = setup
+        self._engine = engine
+        self._sampling = sampling
+        self._wait_until_resumed = wait_until_resumed
+        self._version = version
+        self._clock = clock
+        self._reward_executor = reward_executor
+
+    async def evaluate(
+        self,
+        prompts: Iterable[PromptSample],
+        sampling: SamplingConfig | None = None,
+        *,
+        n: int = 1,
+        reward_fn: RewardFn | None = None,
+        max_concurrency: int = DEFAULT_EVAL_CONCURRENCY,
+    ) -> EvalResult:
+        """Decode held-out `prompts` (`n` responses each, `sampling`, default the training
+        sampling) on this rollouter's engine and score them, beside the dispatch loop.
+
+        A separate admission class (`rollout_engine.evaluation`): nothing here is admitted,
+        delivered, put on the sink or counted in the staleness budget, the ledger, the pacing
+        or `stats()`. Requests go through the weight gate like training's (a push pauses and
+        continues them), rewards run in the same reward executor. `reward_fn` scores with
+        another function (a held-out set of another task; single-turn); by default the
+        rollouter's own (and its environment, for multi-turn). A group that fails is
+        reported in the result, never raised. Safe to call while `run()` runs, or without
+        it; concurrent evaluations are independent."""
+        return await evaluate(
+            list(prompts),
+            self._setup,
+            engine=self._engine,
+            sampling=sampling if sampling is not None else self._sampling,
+            n=n,
+            reward_fn=reward_fn,
+            max_concurrency=max_concurrency,
+            wait_until_resumed=self._wait_until_resumed,
+            version=self._version(),
+            clock=self._clock,
+            reward_executor=self._reward_executor,
+        )
 
 
 async def evaluate(

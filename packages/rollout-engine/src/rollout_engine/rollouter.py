@@ -35,11 +35,12 @@ from collections import deque
 from collections.abc import AsyncIterable, Callable, Iterable
 from typing import Any
 
+from rollout_engine._delegate import Delegate
 from rollout_engine.admission import Admission, Blocker, PacingPolicy, StalenessBound
 from rollout_engine.config import LoopState, RolloutConfig
 from rollout_engine.delivery import GroupDelivery
 from rollout_engine.episode import EnvironmentFactory, EpisodeConfig, EpisodeRunner
-from rollout_engine.evaluation import DEFAULT_EVAL_CONCURRENCY, EvalResult, EvalSetup, evaluate
+from rollout_engine.evaluation import EvalSetup, Evaluator
 from rollout_engine.executors import RolloutExecutors
 from rollout_engine.failures import RolloutFailed
 from rollout_engine.group import GroupJob, GroupRunner
@@ -50,14 +51,13 @@ from rollout_engine.metrics import FailedGroup, IdleClock, RolloutStats, metric_
 from rollout_engine.prompt_source import PromptSource
 from rollout_engine.resume import RolloutResume
 from rollout_engine.runners import close_group_runner, make_group_runner
-from rollout_engine.snapshot import GroupSnapshot, RolloutSnapshot
+from rollout_engine.snapshot import GroupSnapshot
 from rollout_engine.stall_watch import StallWatch
 from rollout_engine.types import (
     GenerationEngine,
     MultiModalPreprocessor,
     PromptSample,
     RewardFn,
-    SamplingConfig,
     TrajectorySink,
 )
 from rollout_engine.weight_gate import WeightGate
@@ -141,8 +141,16 @@ class Rollouter:
         self._idle = IdleClock()
         self._run_started = False
         self._stall = StallWatch(config.stall_warning_s)
-        # What `evaluate` reuses: the same reward path, preprocessor and multi-turn setup.
-        self._eval_setup = EvalSetup(reward_fn, preprocessor, environment, episode)
+        # Evaluations reuse the reward path, preprocessor, multi-turn setup and weight gate.
+        self._evaluator = Evaluator(
+            EvalSetup(reward_fn, preprocessor, environment, episode),
+            engine=engine,
+            sampling=config.sampling,
+            wait_until_resumed=self._gate.wait_live,
+            version=lambda: self._gate.version,
+            clock=clock,
+            reward_executor=self._executors.rewards,
+        )
         self._groups = self._make_runner(reward_fn, preprocessor, environment, episode)
         self._resume = self._make_resume(prompts)
         self._delivery = GroupDelivery(
@@ -272,34 +280,13 @@ class Rollouter:
         self._stop_requested.set()
         await self._cancel_in_flight()
 
-    def restore(self, snapshot: RolloutSnapshot) -> None:
-        """Queue a snapshot's groups ahead of the prompt source, before `run()`; see
-        `RolloutResume.restore`."""
-        self._resume.restore(snapshot)
-
-    def hold_new_prompts(self) -> None:
-        """Admit no new prompt until `release_new_prompts()`; see
-        `RolloutResume.hold_new_prompts`."""
-        self._resume.hold_new_prompts()
-
-    def release_new_prompts(self) -> None:
-        """End `hold_new_prompts()`; see `RolloutResume.release_new_prompts`."""
-        self._resume.release_new_prompts()
-
-    async def wait_restored_delivered(self) -> None:
-        """Return once no restored group is left to deliver; see
-        `RolloutResume.wait_restored_delivered`."""
-        await self._resume.wait_restored_delivered()
-
-    def count_requeued(self, count: int) -> None:
-        """Count groups a resumed run requeued for this replica as delivered, before `run()`;
-        see `RolloutResume.count_requeued`."""
-        self._resume.count_requeued(count)
-
-    async def snapshot_in_flight(self, settle_timeout_s: float = 5.0) -> RolloutSnapshot:
-        """Every admitted, not yet delivered group with its responses so far, taken like a
-        weight push; see `RolloutResume.snapshot_in_flight`."""
-        return await self._resume.snapshot_in_flight(settle_timeout_s)
+    # Restore, hold and snapshot belong to `RolloutResume` (`rollout_engine.resume`).
+    restore = Delegate("_resume", RolloutResume.restore)
+    hold_new_prompts = Delegate("_resume", RolloutResume.hold_new_prompts)
+    release_new_prompts = Delegate("_resume", RolloutResume.release_new_prompts)
+    wait_restored_delivered = Delegate("_resume", RolloutResume.wait_restored_delivered)
+    count_requeued = Delegate("_resume", RolloutResume.count_requeued)
+    snapshot_in_flight = Delegate("_resume", RolloutResume.snapshot_in_flight)
 
     async def update_weights(self, weights: Any, version: int) -> None:
         """Pause the engine (`pause_mode`, or "wait" without partial rollout), load the
@@ -318,39 +305,7 @@ class Rollouter:
             await self._engine.load_weights(weights, version)
             resume.version = version
 
-    async def evaluate(
-        self,
-        prompts: Iterable[PromptSample],
-        sampling: SamplingConfig | None = None,
-        *,
-        n: int = 1,
-        reward_fn: RewardFn | None = None,
-        max_concurrency: int = DEFAULT_EVAL_CONCURRENCY,
-    ) -> EvalResult:
-        """Decode held-out `prompts` (`n` responses each, `sampling`, default the training
-        sampling) on this rollouter's engine and score them, beside the dispatch loop.
-
-        A separate admission class (`rollout_engine.evaluation`): nothing here is admitted,
-        delivered, put on the sink or counted in the staleness budget, the ledger, the pacing
-        or `stats()`. Requests go through the weight gate like training's (a push pauses and
-        continues them), rewards run in the same reward executor. `reward_fn` scores with
-        another function (a held-out set of another task; single-turn); by default the
-        rollouter's own (and its environment, for multi-turn). A group that fails is
-        reported in the result, never raised. Safe to call while `run()` runs, or without
-        it; concurrent evaluations are independent."""
-        return await evaluate(
-            list(prompts),
-            self._eval_setup,
-            engine=self._engine,
-            sampling=sampling if sampling is not None else self._config.sampling,
-            n=n,
-            reward_fn=reward_fn,
-            max_concurrency=max_concurrency,
-            wait_until_resumed=self._gate.wait_live,
-            version=self._gate.version,
-            clock=self._clock,
-            reward_executor=self._executors.rewards,
-        )
+    evaluate = Delegate("_evaluator", Evaluator.evaluate)
 
     def pause(self) -> None:
         """Stop admitting and hold aborted-request continuations until `on_weights()`.
