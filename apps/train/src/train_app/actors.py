@@ -8,13 +8,11 @@ proves it (`event_loop/lag_ms_*`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import importlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,28 +69,6 @@ async def _make_engine(config: Any) -> Any:
     if isinstance(config, FakeEngineConfig):
         return FakeEngine(config)
     raise TypeError(f"unknown engine config {type(config).__name__}")
-
-
-async def _task_beside_engine(
-    load_task: Callable[[], Awaitable[Any]], engine_config: Any
-) -> tuple[Any, Any]:
-    """Load the task while the engine starts: vLLM is imported first (it imports transformers,
-    so the tokenizer then loads at once; two threads importing one package at the same time
-    could see it half-initialized), then the task loads while vLLM's engine-core process
-    imports vLLM again. If loading the task fails, the engine is waited for and closed, and
-    the task's error is raised."""
-    from rollout_engine.vllm_engine import VLLMEngineConfig
-
-    if isinstance(engine_config, VLLMEngineConfig):
-        await asyncio.to_thread(importlib.import_module, "vllm.v1.engine.async_llm")
-    engine = asyncio.ensure_future(_make_engine(engine_config))
-    try:
-        task = await load_task()
-    except BaseException:
-        with contextlib.suppress(BaseException):
-            await (await engine).close()
-        raise
-    return task, await engine
 
 
 PENDING_ROWS_FILE = "metrics_pending.json"
@@ -165,45 +141,32 @@ class RolloutActor:
     async def _start_engine(self, weights: dict[str, Any] | None, version: int | None) -> Any:
         """The task (its tokenizer, its dataset) and the engine, loaded with `weights` at
         `version` if given (a replacement); returns the task."""
+        from train_app.models import load_tokenizer
         from train_app.multimodal import make_vision_preprocessor
-        from train_app.tasks import is_vision_task
+        from train_app.tasks import is_vision_task, make_task
 
         plan = self._plan
-        if is_vision_task(plan.task):  # the engine needs the task's image token
-            task = await self._load_task()
-            engine_config = plan.engine
-            if hasattr(engine_config, "image_token_id"):
-                # The task's prompts carry expanded image placeholders; the engine collapses them.
-                engine_config = dataclasses.replace(
-                    engine_config, image_token_id=task.image_token_id
-                )
-            self._engine = await _make_engine(engine_config)
-        else:
-            task, self._engine = await _task_beside_engine(self._load_task, plan.engine)
+        tokenizer = await asyncio.to_thread(load_tokenizer, plan.model_dir)
+        # A vision task writes its PNG dataset when built: file work, so off the loop.
+        task = await asyncio.to_thread(make_task, plan.task, tokenizer, **plan.task_options)
+        self._task_metrics = getattr(task, "metrics", dict)  # e.g. reward/<component>
+        engine_config = plan.engine
+        if is_vision_task(plan.task) and hasattr(engine_config, "image_token_id"):
+            # The task's prompts carry expanded image placeholders; the engine collapses them.
+            engine_config = dataclasses.replace(engine_config, image_token_id=task.image_token_id)
+        self._engine = await _make_engine(engine_config)
         if weights is not None and version is not None:
             from train_app.weight_wire import unpack_weights
 
             await self._engine.pause(mode="keep", clear_cache=True)
             await self._engine.load_weights(unpack_weights(weights), version)
             await self._engine.resume()
+        self._held_out = await self._held_out_set(tokenizer)
         self._preprocessor = None
         if is_vision_task(plan.task):
             # Images are decoded and resized in VisionPreprocessor's bounded thread pool.
             self._preprocessor = make_vision_preprocessor(task.settings)
             await self._preprocessor.warmup()
-        return task
-
-    async def _load_task(self) -> Any:
-        """The tokenizer, the task (a vision task writes its PNG dataset when built) and the
-        held-out set, in threads: file work stays off the loop."""
-        from train_app.models import load_tokenizer
-        from train_app.tasks import make_task
-
-        plan = self._plan
-        self._tokenizer = await asyncio.to_thread(load_tokenizer, plan.model_dir)
-        task = await asyncio.to_thread(make_task, plan.task, self._tokenizer, **plan.task_options)
-        self._task_metrics = getattr(task, "metrics", dict)  # e.g. reward/<component>
-        self._held_out = await self._held_out_set(self._tokenizer)
         return task
 
     async def _held_out_set(self, tokenizer: Any) -> tuple[list[Any], Any] | None:
