@@ -36,6 +36,10 @@ GRID: dict[str, tuple[str, tuple[str, ...]]] = {
     "k2-fresh-clip-higher": ("async", ("--clip-eps-high", "0.28")),
     "k2-fresh-filter": ("async", ("--filter-groups", "zero-variance")),
     "sync-filter": ("sync", ("--filter-groups", "zero-variance")),
+    # Scaled with the measured staleness s as lr / (1 + s) and clip / (1 + s); async runs at
+    # s ~ 1 throughout, so each is the default divided by two.
+    "k2-fresh-lr-staleness": ("async", ("--lr", "1e-3")),
+    "k2-fresh-clip-staleness": ("async", ("--clip-eps", "0.1")),
 }
 QUICK_GRID = ("sync", "k2-fresh")
 # Seeds 0..N-1 per setting and trainer steps per run of the full study.
