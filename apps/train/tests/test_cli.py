@@ -140,6 +140,7 @@ BAD_FLAGS = [
     (["--clip-eps", "-1"], "--clip-eps must be in [0, 1)"),
     (["--clip-eps", "1.5"], "--clip-eps must be in [0, 1)"),
     (["--clip-eps-high", "0"], "--clip-eps-high must be > 0"),
+    (["--clip-staleness-scale", "-1"], "--clip-staleness-scale must be >= 0"),
     (["--min-lr-ratio", "2"], "--min-lr-ratio must be in [0, 1]"),
     (["--max-grad-norm", "0"], "--max-grad-norm must be > 0"),
     (["--corrupt-images", "1"], "--corrupt-images must be in [0, 1)"),

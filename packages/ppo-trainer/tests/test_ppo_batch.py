@@ -38,6 +38,17 @@ def test_select_trims_to_the_rows_longest_sequence() -> None:
     assert sub.input_ids[0].tolist() == [*group[2].prompt_token_ids, *group[2].response_ids]
 
 
+def test_token_staleness_is_the_steps_version_minus_each_tokens() -> None:
+    a, b = make_group("g", n=2, prompt_len=3, response_lens=[2, 4], version=1)
+    b.token_versions[:] = [1, 2, 3, 5]  # tokens of several versions (partial rollout)
+    assert pack_batch([a, b], [0.5, -0.5]).token_staleness is None  # no version given
+    batch = pack_batch([a, b], [0.5, -0.5], version=3)
+    assert batch.token_staleness is not None
+    # at the response's target positions; a token newer than the step counts as 0
+    assert batch.token_staleness.tolist() == [[0, 0, 2, 2, 0, 0], [0, 0, 2, 1, 0, 0]]
+    assert batch.select(torch.tensor([1])).token_staleness.tolist() == [[0, 0, 2, 1, 0, 0]]
+
+
 def test_validation() -> None:
     (t,) = make_group("g", n=1, response_lens=[3])
     with pytest.raises(ValueError, match="one advantage"):

@@ -375,3 +375,17 @@ def test_importance_weights_on_their_own_mask_outside_the_cap_and_skip_padding()
     assert truncated.weight[0].tolist() == pytest.approx([2.0, 0.2, 1.0, 1.0])
     assert truncated.capped.tolist() == [[True, False, False, False]]
     assert importance_weights(prox, None, valid).weight.tolist() == [[1.0] * 4]
+
+
+def test_per_token_clip_ranges() -> None:
+    # ratio 1.15 with A = 1 on both tokens: inside a 0.2 clip, outside a 0.1 one
+    logp = _log([1.15, 1.15])
+    prox, adv, mask = torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2)
+    scalar, scalar_metrics = policy_loss(logp, prox, adv, mask, clip_eps=0.2)
+    same, same_metrics = policy_loss(logp, prox, adv, mask, clip_eps=torch.full((1, 2), 0.2))
+    assert same.item() == pytest.approx(scalar.item())
+    assert same_metrics["clipfrac"].item() == scalar_metrics["clipfrac"].item() == 0.0
+    eps = torch.tensor([[0.2, 0.1]])  # the second token is one version stale, scale 1
+    loss, metrics = policy_loss(logp, prox, adv, mask, clip_eps=eps, clip_eps_high=eps)
+    assert metrics["clipfrac"].item() == pytest.approx(0.5)
+    assert loss.item() == pytest.approx(-(1.15 + 1.1) / 2)

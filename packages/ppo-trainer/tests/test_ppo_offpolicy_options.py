@@ -78,3 +78,17 @@ async def test_two_deterministic_runs_give_identical_losses() -> None:
         assert torch.equal(tensor, theirs[name]), name
     other, _ = await _train(deterministic=True, seed=6)  # the seed orders the minibatches
     assert other != first
+
+
+async def test_clip_staleness_scale_tightens_the_clip_of_stale_tokens_only() -> None:
+    default, _ = await _train()
+    off, _ = await _train(clip_staleness_scale=0.0)
+    assert off == default
+    scaled, _ = await _train(clip_staleness_scale=1.0)
+    # Step 1 trains at version 0 on tokens of version 0: nothing is stale, the same step.
+    assert scaled[0] == default[0]
+    # Later steps train on version-0 tokens at versions 1 and 2: a clip range of 0.1 and
+    # 0.067 instead of 0.2 clips more of them.
+    assert sum(r["ppo/clipfrac"] for r in scaled[1:]) > sum(r["ppo/clipfrac"] for r in default[1:])
+    with pytest.raises(ValueError, match="clip_staleness_scale"):
+        PPOConfig(clip_staleness_scale=-1.0)

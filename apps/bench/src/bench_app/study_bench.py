@@ -40,6 +40,8 @@ GRID: dict[str, tuple[str, tuple[str, ...]]] = {
     # s ~ 1 throughout, so each is the default divided by two.
     "k2-fresh-lr-staleness": ("async", ("--lr", "1e-3")),
     "k2-fresh-clip-staleness": ("async", ("--clip-eps", "0.1")),
+    # The same inside the trainer: each token's clip divided by 1 + its own staleness.
+    "k2-fresh-clip-staleness-scale": ("async", ("--clip-staleness-scale", "1")),
 }
 QUICK_GRID = ("sync", "k2-fresh")
 # Seeds 0..N-1 per setting and trainer steps per run of the full study.

@@ -218,6 +218,11 @@ class TrainConfig:
     clip-eps-high], so a token the update makes likelier may rise further than one it makes
     unlikelier may fall (DAPO: 0.28 with clip-eps 0.2). Unset: clip-eps (symmetric)."""
 
+    clip_staleness_scale: float = 0.0
+    """Tighter clip for stale tokens: a token s versions older than the step has its clip
+    range divided by 1 + clip-staleness-scale * s (sync runs are at s = 0, so unchanged).
+    0: off. See the off-policy study in packages/ppo-trainer/README.md."""
+
     is_cap: float = 5.0
     """Cap of the truncated importance weight (behaviour -> proximal policy)."""
 
@@ -320,6 +325,8 @@ def _check_numbers(config: TrainConfig) -> None:
         raise ValueError(f"--clip-eps must be in [0, 1), got {config.clip_eps}")
     if not 0.0 <= config.min_lr_ratio <= 1.0:
         raise ValueError(f"--min-lr-ratio must be in [0, 1], got {config.min_lr_ratio}")
+    if not config.clip_staleness_scale >= 0:
+        raise ValueError(f"--clip-staleness-scale must be >= 0, got {config.clip_staleness_scale}")
     if config.clip_eps_high is not None and not config.clip_eps_high > 0:
         raise ValueError(f"--clip-eps-high must be > 0, got {config.clip_eps_high}")
     if config.max_grad_norm is not None and not config.max_grad_norm > 0:

@@ -698,6 +698,7 @@ def _ppo_config(config: TrainConfig, bound: StalenessBound, run_dir: Path) -> PP
         grad_accum=GRAD_ACCUM,
         clip_eps=config.clip_eps,
         clip_eps_high=config.clip_eps_high,
+        clip_staleness_scale=config.clip_staleness_scale,
         dual_clip=DUAL_CLIP,
         is_cap=config.is_cap,
         is_level=config.is_level,

@@ -45,6 +45,9 @@ class PackedBatch:
     on_policy: torch.Tensor | None = None  # [B] bool, see `pack_batch(current_version=)`
     returns: torch.Tensor | None = None  # [B, L-1] float32, GAE value targets
     old_values: torch.Tensor | None = None  # [B, L-1] float32, values before the updates
+    # [B, L-1] float32: the step's version minus the version that generated each response
+    # token (0 elsewhere); see `pack_batch(version=)`.
+    token_staleness: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -91,6 +94,7 @@ class PackedBatch:
             on_policy=pick_rows(self.on_policy),
             returns=pick(self.returns, length - 1),
             old_values=pick(self.old_values, length - 1),
+            token_staleness=pick(self.token_staleness, length - 1),
         )
 
     def with_logprobs(
@@ -133,6 +137,7 @@ def pack_batch(
     pad_token_id: int = 0,
     mm_inputs_fn: MultiModalInputsFn | None = None,
     current_version: int | None = None,
+    version: int | None = None,
 ) -> PackedBatch:
     """Pad `trajectories` (with one advantage each) into a `PackedBatch` on the CPU.
 
@@ -142,6 +147,8 @@ def pack_batch(
     `on_policy` when all its response tokens carry that version: the trainer's log-probs of
     it must then equal the engine's (metric `ppo/behav_logprob_diff`).
     `mm_inputs_fn` is called once per distinct `MultiModalRef` (a GRPO group shares one).
+    `version`: the trainer's version for this step; each response token's staleness is
+    `version` minus its `token_versions` entry (`token_staleness`; None: not computed).
     """
     if advantages is None:
         advantages = [0.0] * len(trajectories)
@@ -169,6 +176,7 @@ def pack_batch(
                 traj.behaviour_logprobs, dtype=torch.float32
             )
     mm = _multimodal_inputs(trajectories, mm_inputs_fn)
+    staleness = None if version is None else _token_staleness(trajectories, version, length)
     return PackedBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -179,7 +187,21 @@ def pack_batch(
         mm_inputs=mm,
         rewards=torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float32),
         on_policy=_on_policy(trajectories, current_version),
+        token_staleness=staleness,
     )
+
+
+def _token_staleness(trajectories: Sequence[Trajectory], version: int, length: int) -> torch.Tensor:
+    """[B, length - 1]: `version` minus each response token's version, at its target position
+    (0 on the prompt, the padding and tokens without a version; never negative)."""
+    out = torch.zeros((len(trajectories), length - 1), dtype=torch.float32)
+    for row, traj in enumerate(trajectories):
+        if not traj.token_versions:
+            continue
+        start = len(traj.prompt_token_ids) - 1
+        versions = torch.tensor(traj.token_versions, dtype=torch.float32)
+        out[row, start : start + len(versions)] = (version - versions).clamp(min=0)
+    return out
 
 
 def _check_trajectory(traj: Trajectory) -> None:

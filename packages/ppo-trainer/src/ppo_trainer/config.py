@@ -101,6 +101,10 @@ class PPOConfig:
     [1 - clip_eps, 1 + clip_eps_high], so a token whose probability the update raises may
     rise further than one it lowers may fall (DAPO uses 0.28 with clip_eps 0.2). None:
     `clip_eps` (symmetric)."""
+    clip_staleness_scale: float = 0.0
+    """Tighter clip for stale tokens: each token's clip range (both ends) is divided by
+    1 + clip_staleness_scale * s, s = the step's version minus the version that generated the
+    token. 0: off (every token gets `clip_eps`); with 1, a token one version old gets half."""
     dual_clip: float | None = None
     """Dual-clip constant c > 1: for A < 0 the loss is bounded by -c * A. None: off."""
     is_cap: float | None = 2.0
@@ -206,6 +210,8 @@ class PPOConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.clip_eps < 1:
             raise ValueError(f"clip_eps must be in [0, 1), got {self.clip_eps}")
+        if self.clip_staleness_scale < 0:
+            raise ValueError(f"clip_staleness_scale must be >= 0, got {self.clip_staleness_scale}")
         if self.clip_eps_high is not None and self.clip_eps_high < 0:
             raise ValueError(f"clip_eps_high must be >= 0 (or None), got {self.clip_eps_high}")
         if self.dual_clip is not None and self.dual_clip <= 1:

@@ -161,8 +161,8 @@ def policy_loss(
     mask: torch.Tensor,
     *,
     behav_logp: torch.Tensor | None = None,
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
+    clip_eps: float | torch.Tensor = 0.2,
+    clip_eps_high: float | torch.Tensor | None = None,
     dual_clip: float | None = None,
     is_cap: float | None = None,
     is_level: ISLevel = "token",
@@ -175,7 +175,7 @@ def policy_loss(
     """Clipped (decoupled) PPO policy loss; returns (scalar loss, detached metrics).
 
     Per token, with log r = clamp(logp - prox_logp, -20, 20), r = exp(log r), e_lo =
-    clip_eps and e_hi = clip_eps_high (default: clip_eps):
+    clip_eps and e_hi = clip_eps_high (default: clip_eps; either may be a per-token tensor):
 
         l = max(-A * r, -A * clip(r, 1 - e_lo, 1 + e_hi))    (= -min(r*A, clip(r)*A))
         l = min(l, -c * A)          where A < 0, if dual_clip = c (bounds huge ratios)
@@ -215,8 +215,8 @@ def policy_loss(
 def _clipped_token_loss(
     ratio: torch.Tensor,
     advantages: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
+    eps_low: float | torch.Tensor,
+    eps_high: float | torch.Tensor,
     dual_clip: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token clipped surrogate (and dual clip); returns it with where each clip was active."""

@@ -552,6 +552,7 @@ class PPOTrainer:
                 pad_token_id=self._pad_token_id,
                 mm_inputs_fn=self._mm_inputs_fn,
                 current_version=message.current_version,
+                version=message.version,
             )
         metrics = self._updater.step(batch, shard)
         step_s = time.perf_counter() - started

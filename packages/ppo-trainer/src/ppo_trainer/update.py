@@ -352,6 +352,18 @@ class PolicyUpdater:
 
     # -- internals ----------------------------------------------------------------------
 
+    def _clip_range(
+        self, micro: PackedBatch
+    ) -> tuple[float | torch.Tensor, float | torch.Tensor | None]:
+        """`clip_eps` and `clip_eps_high`, each divided per token by 1 + scale * staleness
+        when `clip_staleness_scale` is set (and the batch carries token staleness)."""
+        cfg = self.config
+        if cfg.clip_staleness_scale == 0.0 or micro.token_staleness is None:
+            return cfg.clip_eps, cfg.clip_eps_high
+        factor = 1.0 / (1.0 + cfg.clip_staleness_scale * micro.token_staleness.to(self.device))
+        high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
+        return cfg.clip_eps * factor, high * factor
+
     def _micro_loss(
         self, micro: PackedBatch, n_tok: float, n_seq: float
     ) -> tuple[torch.Tensor, dict[str, float], float, torch.Tensor]:
@@ -367,14 +379,15 @@ class PolicyUpdater:
         behav = micro.behav_logp.to(self.device) if cfg.use_behaviour_logprobs else None
         advantages = micro.token_advantages().to(self.device)
         agg = {"num_tokens": n_tok, "num_seqs": n_seq, "horizon": cfg.loss_agg_horizon}
+        clip_low, clip_high = self._clip_range(micro)
         loss, pg_metrics = policy_loss(
             logp,
             prox,
             advantages,
             mask,
             behav_logp=behav,
-            clip_eps=cfg.clip_eps,
-            clip_eps_high=cfg.clip_eps_high,
+            clip_eps=clip_low,
+            clip_eps_high=clip_high,
             dual_clip=cfg.dual_clip,
             is_cap=cfg.is_cap,
             is_level=cfg.is_level,
