@@ -27,6 +27,8 @@ def test_every_setting_parses_as_app_options(setting: str) -> None:
     assert config.partial_rollout == setting.endswith("-partial")
     assert (config.clip_eps_high == 0.28) == ("clip-higher" in setting)
     assert (config.filter_groups == "zero-variance") == setting.endswith("-filter")
+    # the settings measured before the clip scaling was the default turn it off
+    assert (config.clip_staleness_scale == 0.0) == ("--clip-staleness-scale" in options)
 
 
 def test_quick_grid_is_part_of_the_grid() -> None:

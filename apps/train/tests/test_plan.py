@@ -233,8 +233,9 @@ def test_clip_eps_high_and_deterministic_reach_the_ppo_config() -> None:
     assert default.clip_eps_high is None and default.deterministic is False
     ppo = plan(TrainConfig(clip_eps=0.2, clip_eps_high=0.28, deterministic=True)).trainer.ppo
     assert (ppo.clip_eps, ppo.clip_eps_high, ppo.deterministic) == (0.2, 0.28, True)
-    assert default.clip_staleness_scale == 0.0
-    assert plan(TrainConfig(clip_staleness_scale=1.0)).trainer.ppo.clip_staleness_scale == 1.0
+    assert default.clip_staleness_scale == 1.0
+    assert plan(TrainConfig(clip_staleness_scale=0.0)).trainer.ppo.clip_staleness_scale == 0.0
+    assert plan(TrainConfig(clip_staleness_scale=2.5)).trainer.ppo.clip_staleness_scale == 2.5
 
 
 def test_deterministic_seeds_the_sampling_from_the_run_seed() -> None:
