@@ -23,7 +23,6 @@ from bench_app.report import BenchReport
 # defaults (k = 2, fresh pacing, token-level truncated IS with cap 5, no partial rollout, each
 # token's clip divided by 1 + its staleness) in what the name says. The settings measured
 # before that clip scaling was the default turn it off, so they keep their meaning.
-# The clip scaling off: the default before it was chosen.
 NO_CLIP_SCALE = ("--clip-staleness-scale", "0")
 GRID: dict[str, tuple[str, tuple[str, ...]]] = {
     "sync": ("sync", ()),

@@ -133,28 +133,18 @@ class EvalSetup:
     evaluations: int = 0
 
 
+@dataclass(frozen=True, slots=True)
 class Evaluator:
     """A rollouter's evaluations (`Rollouter.evaluate` is `Evaluator.evaluate`): its engine,
     weight gate, reward executor and default sampling, with the `setup` it reuses."""
 
-    def __init__(
-        self,
-        setup: EvalSetup,
-        *,
-        engine: GenerationEngine,
-        sampling: SamplingConfig,
-        wait_until_resumed: Callable[[], Awaitable[None]],
-        version: Callable[[], int],
-        clock: Callable[[], float],
-        reward_executor: Callable[[], Executor],
-    ) -> None:
-        self._setup = setup
-        self._engine = engine
-        self._sampling = sampling
-        self._wait_until_resumed = wait_until_resumed
-        self._version = version
-        self._clock = clock
-        self._reward_executor = reward_executor
+    setup: EvalSetup
+    engine: GenerationEngine
+    sampling: SamplingConfig
+    wait_until_resumed: Callable[[], Awaitable[None]]
+    version: Callable[[], int]
+    clock: Callable[[], float]
+    reward_executor: Callable[[], Executor]
 
     async def evaluate(
         self,
@@ -178,16 +168,16 @@ class Evaluator:
         it; concurrent evaluations are independent."""
         return await evaluate(
             list(prompts),
-            self._setup,
-            engine=self._engine,
-            sampling=sampling if sampling is not None else self._sampling,
+            self.setup,
+            engine=self.engine,
+            sampling=sampling if sampling is not None else self.sampling,
             n=n,
             reward_fn=reward_fn,
             max_concurrency=max_concurrency,
-            wait_until_resumed=self._wait_until_resumed,
-            version=self._version(),
-            clock=self._clock,
-            reward_executor=self._reward_executor,
+            wait_until_resumed=self.wait_until_resumed,
+            version=self.version(),
+            clock=self.clock,
+            reward_executor=self.reward_executor,
         )
 
 
