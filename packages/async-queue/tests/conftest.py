@@ -137,8 +137,10 @@ async def run_stress(
                 result.rejected += count
                 await asyncio.sleep(prng.random() * 0.002)  # back off: let consumers make room
                 continue
-            except QueueClosed:
-                return  # another producer failed the queue
+            except QueueClosed as closed:
+                # Another producer failed the queue; a blocked put_many may have queued a head.
+                result.produced_ids.extend(item.item_id for item in batch[: closed.enqueued])
+                return
             result.produced_ids.extend(item.item_id for item in batch)
             if prng.random() < 0.3:
                 await asyncio.sleep(prng.random() * 0.002)

@@ -115,6 +115,22 @@ async def test_close_while_many_consumers_wait(make_item) -> None:
     ray.kill(client.handle)
 
 
+async def test_a_blocked_put_many_closed_midway_says_how_many_were_enqueued(make_item) -> None:
+    """`QueueClosed.enqueued` survives the trip from the actor to the caller."""
+    client = MessageQueueClient.create(maxsize=2)
+    producer = asyncio.create_task(client.put_many([make_item(i) for i in range(5)]))
+    await wait_until_waiting(client)
+    assert len(await client.get_batch(2)) == 2  # room for two more: four of five queued
+    await wait_until_waiting(client)
+    await client.close()
+    with pytest.raises(QueueClosed) as refused:
+        await asyncio.wait_for(producer, WAIT)
+    assert refused.value.enqueued == 4
+    assert [item.item_id for item in await client.get_batch(4)] == ["p-2", "p-3"]
+    assert pickle.loads(pickle.dumps(refused.value)).enqueued == 4
+    ray.kill(client.handle)
+
+
 async def test_close_delivers_the_rest_then_a_partial_batch(make_item) -> None:
     client = MessageQueueClient.create(maxsize=16)
     await client.put_many([make_item(i) for i in range(6)])

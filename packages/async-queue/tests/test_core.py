@@ -257,6 +257,25 @@ async def test_blocked_producer_gets_queue_closed_on_close(make_item) -> None:
     assert (await queue.get()).item_id == "p-0"
 
 
+async def test_a_close_during_a_blocked_put_many_says_how_many_were_enqueued(make_item) -> None:
+    queue = MessageQueue(maxsize=2)
+    producer = asyncio.create_task(queue.put_many([make_item(i) for i in range(5)]))
+    await _settle()
+    assert len(await queue.get_batch(2)) == 2  # room for the third and fourth, not the fifth
+    await _settle()
+    await queue.close()
+    with pytest.raises(QueueClosed) as refused:
+        await asyncio.wait_for(producer, WAIT)
+    assert refused.value.enqueued == 4
+    assert "4 item(s) of this call were enqueued" in str(refused.value)
+    assert [item.item_id for item in await queue.get_batch(4)] == ["p-2", "p-3"]
+    assert queue.stats().produced == 4
+    with pytest.raises(QueueClosed) as after:  # a put on a closed queue queued nothing
+        await queue.put(make_item(9))
+    assert after.value.enqueued == 0
+    assert str(after.value) == "queue is closed; put refused"
+
+
 async def test_stats_metrics_use_the_design_names(make_item) -> None:
     queue = MessageQueue(maxsize=2, policy="drop_oldest")
     await queue.put_many([make_item(i) for i in range(3)])

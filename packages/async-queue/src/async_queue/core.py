@@ -137,7 +137,8 @@ class MessageQueue(Generic[ItemT]):
     async def put_many(self, items: Iterable[ItemT]) -> None:
         """Enqueue items in order. Raises `QueueClosed` on a closed queue, `QueueFull` under
         policy `reject` when they do not all fit. Under `block`, a close that arrives while
-        waiting raises `QueueClosed`; the pieces already enqueued stay queued."""
+        waiting raises `QueueClosed` whose `enqueued` counts the leading items already
+        enqueued (they stay queued)."""
         batch = list(items)
         async with self._lock:
             self._check_open_for_put()
@@ -195,17 +196,17 @@ class MessageQueue(Generic[ItemT]):
                 limit_s=None,
                 waited="put",
             )
-            self._check_open_for_put()
+            self._check_open_for_put(enqueued=start)
             piece = batch[start : start + self._maxsize - len(self._items)]
             self._append(piece)
             start += len(piece)
             # Wake consumers now: a batch larger than the room only fits piece by piece.
             self._items_ready.notify_all()
 
-    def _check_open_for_put(self) -> None:
+    def _check_open_for_put(self, enqueued: int = 0) -> None:
         if self._closed:
             state = "failed" if self._failure is not None else "closed"
-            raise QueueClosed(f"queue is {state}; put refused")
+            raise QueueClosed(f"queue is {state}; put refused", enqueued=enqueued)
 
     # ------------------------------------------------------------------ consumers
 

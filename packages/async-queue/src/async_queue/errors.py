@@ -25,7 +25,21 @@ class QueueClosed(QueueError):
 
     Raised by `get`/`get_batch` once a closed queue is drained, and by `put`/`put_many` on a
     closed queue. `async for` over a client ends on it instead of raising.
+
+    `enqueued`: how many of the refused call's items were queued before the close. Only a
+    `put_many` under policy `block` that was waiting for room piece by piece can have queued
+    some (they stay queued and count as produced); every other refusal queued none.
     """
+
+    def __init__(self, message: str = "queue is closed", enqueued: int = 0) -> None:
+        super().__init__(message, enqueued)
+        self.message = message
+        self.enqueued = enqueued
+
+    def __str__(self) -> str:
+        if self.enqueued:
+            return f"{self.message} ({self.enqueued} item(s) of this call were enqueued first)"
+        return self.message
 
 
 class ProducerFailed(QueueError):
