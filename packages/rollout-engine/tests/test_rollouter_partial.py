@@ -117,3 +117,78 @@ async def test_without_partial_rollout_the_push_waits_for_in_flight() -> None:
     assert all(len(set(t.token_versions)) == 1 for t in sink.trajectories)
     assert {t.token_versions[0] for t in sink.trajectories} == {0, 1}
     assert rollouter.stats().partial == 0
+
+
+class _Staged:
+    """What `_StagingEngine.stage_weights` returns: the weights and how often it was freed."""
+
+    def __init__(self, weights: object) -> None:
+        self.weights = weights
+        self.discarded = 0
+
+    def discard(self) -> None:
+        self.discarded += 1
+
+
+class _StagingEngine(FakeEngine):
+    """The fake with `stage_weights` (a `WeightStaging` engine): records, per stage, whether
+    the engine was paused and how many tokens it generated while the stage took."""
+
+    def __init__(self, config: FakeEngineConfig, fail_pause: bool = False) -> None:
+        super().__init__(config)
+        self.staged: list[_Staged] = []
+        self.loaded: list[object] = []
+        self.paused_while_staging: list[bool] = []
+        self.tokens_while_staging: list[int] = []
+        self._fail_pause = fail_pause
+
+    async def stage_weights(self, weights: object) -> _Staged:
+        before = self.tokens_generated
+        self.paused_while_staging.append(self._paused)
+        await asyncio.sleep(0.05)  # the write of the weights' file
+        self.tokens_while_staging.append(self.tokens_generated - before)
+        self.staged.append(_Staged(weights))
+        return self.staged[-1]
+
+    async def pause(self, mode="keep", clear_cache: bool = True) -> None:  # type: ignore[override]
+        if self._fail_pause:
+            raise RuntimeError("engine died")
+        await super().pause(mode, clear_cache)
+
+    async def load_weights(self, weights: object, version: int) -> None:
+        self.loaded.append(weights)
+        await super().load_weights(weights, version)
+
+
+async def test_a_staging_engine_stages_while_it_generates_and_loads_the_staged_push() -> None:
+    from rollout_engine import WeightStaging
+
+    engine = _StagingEngine(ENGINE)
+    assert isinstance(engine, WeightStaging) and not isinstance(FakeEngine(), WeightStaging)
+    sink = ListSink()
+    rollouter = Rollouter(engine, make_prompts(6), sink, _reward, _config(pause_mode="keep"))
+    run = asyncio.create_task(rollouter.run())
+    await wait_until(lambda: len(engine.running_request_ids) == 4)
+    await rollouter.update_weights({"layer": 1}, 1)
+    stats = await asyncio.wait_for(run, timeout=30)
+
+    assert (stats.delivered, stats.failed) == (6, 0)
+    [staged] = engine.staged
+    assert engine.loaded == [staged] and staged.weights == {"layer": 1}
+    assert engine.paused_while_staging == [False]
+    assert engine.tokens_while_staging[0] > 0  # generation went on during the stage
+    assert staged.discarded == 1  # freed once more after the load (idempotent)
+    assert rollouter.version == 1
+
+
+async def test_a_staged_push_is_discarded_when_the_pause_fails() -> None:
+    engine = _StagingEngine(ENGINE, fail_pause=True)
+    rollouter = Rollouter(engine, make_prompts(2), ListSink(), _reward, _config())
+    run = asyncio.create_task(rollouter.run())
+    with pytest.raises(RuntimeError, match="engine died"):
+        await rollouter.update_weights({"layer": 1}, 1)
+    [staged] = engine.staged
+    assert engine.loaded == [] and staged.discarded == 1
+    assert rollouter.version == 0  # the push did not happen
+    stats = await asyncio.wait_for(run, timeout=30)  # and the rollouter was not left paused
+    assert (stats.delivered, stats.failed) == (2, 0)

@@ -264,3 +264,45 @@ async def test_engine_threads_can_be_pinned(vllm_engine):
 
     assert pinned == everything[:1]
     assert restored == everything
+
+
+async def test_staged_weights_are_written_before_the_pause_and_consumed_by_the_load(
+    vllm_engine, tiny_qwen2, monkeypatch
+):
+    import dataclasses
+    import os
+
+    shm_dir = tiny_qwen2.path / "shm-staged"
+    shm_dir.mkdir(exist_ok=True)
+    monkeypatch.setattr(
+        vllm_engine, "_config", dataclasses.replace(vllm_engine.config, shm_dir=str(shm_dir))
+    )
+    new_model = tiny_qwen2.random_model(seed=19)
+
+    staged = await vllm_engine.stage_weights(new_model.state_dict())
+    assert (staged.transport, len(os.listdir(shm_dir))) == ("flat", 1)
+    assert not await vllm_engine.is_paused()  # staging does not stop generation
+    version = await load_staged(vllm_engine, staged)
+    assert os.listdir(shm_dir) == []  # the load consumed the staged file
+    prompt = tiny_qwen2.tokenizer.encode("7+2=")
+    [completion] = await vllm_engine.generate(
+        "staged", prompt, SamplingConfig(max_tokens=12, seed=4, ignore_eos=True)
+    )
+    assert completion.versions == [version] * 12
+    reference = hf_logprobs(new_model, prompt, completion.token_ids, 1.0)
+    assert mean_abs_diff(completion.logprobs, reference) < TOLERANCE
+
+    unused = await vllm_engine.stage_weights(tiny_qwen2.model.state_dict())
+    unused.discard()
+    unused.discard()  # idempotent
+    assert os.listdir(shm_dir) == []
+
+
+async def load_staged(engine: Any, staged: Any) -> int:
+    version = engine.version + 1
+    await engine.pause("keep", clear_cache=True)
+    try:
+        await engine.load_weights(staged, version)
+    finally:
+        await engine.resume()
+    return version

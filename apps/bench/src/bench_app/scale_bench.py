@@ -5,11 +5,12 @@ Per model size (random-init Qwen2 shapes made here from a config, nothing downlo
 app's tiny model, ~10M, ~100M and Qwen2.5-0.5B's shape in bf16):
 
 - weight push, the app's path: the trainer's `export_weights`, `ray.put` plus the fetch in the
-  engine's actor (the transfer through Ray's object store), `VLLMEngine.load_weights` (pause
+  engine's actor (the transfer through Ray's object store), `VLLMEngine.stage_weights` (the
+  file the worker maps, written while the engine generates), `VLLMEngine.load_weights` (pause
   "keep" with cleared cache, reload, resume) in a Ray actor like the app's rollouter. The
   pause is the longest gap between two streamed outputs of a request generating throughout.
   `memcpy` copies the same number of bytes in this process; `push_vs_memcpy` = (export +
-  transfer + load) / memcpy.
+  transfer + stage + load) / memcpy.
 - trainer: `PPOTrainer.train()` vs the minimal torch loop of the `trainer` bench on the same
   model and batches, seconds per 1k tokens and each side's peak RSS (VmHWM reset before each).
 - checkpoint: `PPOTrainer.save_checkpoint` / `load_checkpoint` bytes/s against a write + fsync
@@ -131,7 +132,8 @@ class _EngineHost:
         }
 
     async def push(self, refs: list[Any], version: int) -> dict[str, float]:
-        """Fetch the weights (transfer), then pause, load and resume while a request streams."""
+        """Fetch the weights (transfer), stage them for the worker, then pause, load and
+        resume, all while a request streams (the rollouter's `update_weights` order)."""
         from train_app.weight_wire import unpack_weights
 
         started = time.perf_counter()
@@ -141,10 +143,12 @@ class _EngineHost:
         arrived = asyncio.Event()
         stream = asyncio.ensure_future(self._stream(arrivals, arrived))
         try:
-            await _until(arrived, lambda: len(arrivals) >= 3)  # generating before the pause
+            await _until(arrived, lambda: len(arrivals) >= 3)  # generating before the stage
+            staged_at = time.perf_counter()
+            staged = await self.engine.stage_weights(weights)
             paused_at = time.perf_counter()
             await self.engine.pause("keep", clear_cache=True)
-            await self.engine.load_weights(weights, version)
+            await self.engine.load_weights(staged, version)
             await self.engine.resume()
             resumed_at = time.perf_counter()
             count = len(arrivals)
@@ -155,6 +159,7 @@ class _EngineHost:
         after = min((t for t in arrivals if t > resumed_at), default=resumed_at)
         return {
             "transfer_s": transfer_s,
+            "stage_s": paused_at - staged_at,
             "load_s": self.engine.last_load_s,
             "pause_call_s": resumed_at - paused_at,
             "pause_s": after - before,
@@ -436,7 +441,7 @@ def _measure_size(size: ModelSize, workdir: Path, quick: bool) -> dict[str, Any]
     _progress(f"{size.name}: checkpoint")
     checkpoint = _checkpoint_part(size, model, directory)
     shutil.rmtree(directory, ignore_errors=True)
-    push_s = engine["export_s"] + engine["transfer_s"] + engine["load_s"]
+    push_s = engine["export_s"] + engine["transfer_s"] + engine["stage_s"] + engine["load_s"]
     return {
         "size": size.name,
         "params": params,
@@ -511,9 +516,17 @@ def _size_rows(m: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         _row(name, "parameters (M)", m["params"] / 1e6),
         _row(name, "MiB pushed", m["bytes"] / 2**20),
-        _row(name, "push ms (export+transfer+load) | memcpy", ms * m["push_s"], ms * m["memcpy_s"]),
+        _row(
+            name,
+            "push ms (export+transfer+stage+load) | memcpy",
+            ms * m["push_s"],
+            ms * m["memcpy_s"],
+        ),
         _row(name, "  export ms | memcpy", ms * m["export_s"], ms * m["memcpy_s"]),
         _row(name, "  transfer ms (put+fetch) | memcpy", ms * m["transfer_s"], ms * m["memcpy_s"]),
+        _row(
+            name, "  stage ms (file for the worker) | memcpy", ms * m["stage_s"], ms * m["memcpy_s"]
+        ),
         _row(name, "  vLLM load ms | memcpy", ms * m["load_s"], ms * m["memcpy_s"]),
         _row(name, "pause ms | vLLM load", ms * m["pause_s"], ms * m["load_s"]),
         _row(name, "trainer s/1k tok | minimal", m["trainer_s_per_1k"], m["minimal_s_per_1k"]),
@@ -582,6 +595,7 @@ def _plot(measured: list[dict[str, Any]], path: Path) -> None:
         "memcpy": "memcpy_s",
         "export": "export_s",
         "transfer": "transfer_s",
+        "stage": "stage_s",
         "vLLM load": "load_s",
         "pause": "pause_s",
         "trainer s / 1k tokens": "trainer_s_per_1k",

@@ -48,9 +48,11 @@ from rollout_engine.types import (
     PromptSample,
     RewardFn,
     SamplingConfig,
+    StagedWeights,
     Timings,
     Trajectory,
     TrajectorySink,
+    WeightStaging,
 )
 
 if TYPE_CHECKING:
@@ -83,6 +85,7 @@ __all__ = [
     "RolloutStats",
     "Rollouter",
     "SamplingConfig",
+    "StagedWeights",
     "StalenessBound",
     "StepResult",
     "SyncEnvironment",
@@ -90,6 +93,7 @@ __all__ = [
     "Trajectory",
     "TrajectorySink",
     "VLLMEngine",
+    "WeightStaging",
     "ZeroVarianceFilter",
     "environment_reward",
     "load_snapshot",

@@ -59,6 +59,7 @@ from rollout_engine.types import (
     PromptSample,
     RewardFn,
     TrajectorySink,
+    WeightStaging,
 )
 from rollout_engine.weight_gate import WeightGate
 
@@ -290,7 +291,8 @@ class Rollouter:
 
     async def update_weights(self, weights: Any, version: int) -> None:
         """Pause the engine (`pause_mode`, or "wait" without partial rollout), load the
-        weights, resume it, then `on_weights(version)`.
+        weights, resume it, then `on_weights(version)`. An engine that is `WeightStaging`
+        stages the weights first, while it still generates, so the pause is the load alone.
 
         If loading fails, the engine is resumed with the old weights, the rollouter keeps
         its version and the error is raised. If `engine.resume()` fails, `on_weights` still
@@ -299,11 +301,19 @@ class Rollouter:
         raised: the caller decides whether a half-resumed engine is fatal; a dead engine
         fails every group, which ends `run()` with `RolloutFailed`."""
         config = self._config
-        async with self._gate.paused_engine(
-            config.push_pause_mode, config.clear_cache, self.on_weights, self._refresh_idle
-        ) as resume:
-            await self._engine.load_weights(weights, version)
-            resume.version = version
+        staged = None
+        if isinstance(self._engine, WeightStaging):
+            # Written while the engine still generates: the pause covers the load alone.
+            weights = staged = await self._engine.stage_weights(weights)
+        try:
+            async with self._gate.paused_engine(
+                config.push_pause_mode, config.clear_cache, self.on_weights, self._refresh_idle
+            ) as resume:
+                await self._engine.load_weights(weights, version)
+                resume.version = version
+        finally:
+            if staged is not None:  # consumed by a load; not when the pause itself failed
+                await asyncio.to_thread(staged.discard)
 
     evaluate = Delegate("_evaluator", Evaluator.evaluate)
 

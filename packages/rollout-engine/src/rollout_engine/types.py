@@ -23,9 +23,11 @@ __all__ = [
     "PromptSample",
     "RewardFn",
     "SamplingConfig",
+    "StagedWeights",
     "Timings",
     "Trajectory",
     "TrajectorySink",
+    "WeightStaging",
 ]
 
 TRAJECTORY_SCHEMA_VERSION = 3
@@ -206,6 +208,23 @@ class GenerationEngine(Protocol):
     async def abort(self, request_ids: Sequence[str]) -> None: ...
 
     async def close(self) -> None: ...
+
+
+class StagedWeights(Protocol):
+    """Pushed weights already written where an engine's worker reads them."""
+
+    def discard(self) -> None:
+        """Free them when they will not be loaded (idempotent)."""
+        ...
+
+
+@runtime_checkable
+class WeightStaging(Protocol):
+    """An engine that can prepare a push while it still generates (`VLLMEngine` writes the
+    weights' file): the rollouter stages first, so generation pauses for the load alone.
+    `load_weights` accepts what `stage_weights` returns and consumes it."""
+
+    async def stage_weights(self, weights: Any) -> StagedWeights: ...
 
 
 class TrajectorySink(Protocol):
