@@ -306,3 +306,41 @@ async def load_staged(engine: Any, staged: Any) -> int:
     finally:
         await engine.resume()
     return version
+
+
+async def test_the_engine_core_runs_vllms_compiled_helpers_eagerly(vllm_engine):
+    """An eager engine's core starts with TORCHDYNAMO_DISABLE=1 (`compile_helpers=False`):
+    no torch.compile tracing or kernel build at engine start. This process keeps its own."""
+    import os
+
+    import psutil
+
+    await vllm_engine.is_paused()  # the engine core is up
+    cores = [
+        child
+        for child in psutil.Process().children(recursive=True)
+        if "multiprocessing" in " ".join(child.cmdline())
+    ]
+    assert cores, "the engine core runs in a spawned child process"
+    assert {core.environ().get("TORCHDYNAMO_DISABLE") for core in cores} == {"1"}
+    assert os.environ.get("TORCHDYNAMO_DISABLE") is None
+
+
+def test_the_engine_core_environment_is_set_only_for_eager_engines_and_restored(monkeypatch):
+    import os
+
+    from rollout_engine.vllm_engine import VLLMEngineConfig, _engine_core_environment
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    for config, inside in [
+        (VLLMEngineConfig(model="m"), "1"),
+        (VLLMEngineConfig(model="m", compile_helpers=True), None),
+        (VLLMEngineConfig(model="m", enforce_eager=False), None),
+    ]:
+        with _engine_core_environment(config):
+            assert os.environ.get("TORCHDYNAMO_DISABLE") == inside, config
+        assert "TORCHDYNAMO_DISABLE" not in os.environ
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")  # a user's own setting comes back
+    with _engine_core_environment(VLLMEngineConfig(model="m")):
+        assert os.environ["TORCHDYNAMO_DISABLE"] == "1"
+    assert os.environ["TORCHDYNAMO_DISABLE"] == "0"

@@ -658,7 +658,8 @@ def _notes(measured: list[dict[str, Any]], queue: dict[str, Any], plot: Path) ->
     load = os.getloadavg()
     return [
         f"load average during the run (1/5/15 min): {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}",
-        "push = export + transfer (ray.put + fetch in the engine's actor) + vLLM load; "
+        "push = export + transfer (ray.put + fetch in the engine's actor) + stage (the "
+        "worker's file, written while generating) + vLLM load; "
         f"goal at 0.5B: push/memcpy <= {PUSH_TARGET:g}, pause <= load; trainer/minimal "
         f">= {TRAINER_TARGET:g}; rollouter/direct >= {ROLLOUT_TARGET:g}",
         "pause = longest gap between streamed outputs of a request running throughout "

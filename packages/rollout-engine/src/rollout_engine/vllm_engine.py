@@ -29,7 +29,7 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -84,6 +84,11 @@ class VLLMEngineConfig:
     max_model_len: int = 1024
     kv_cache_gib: float | None = 1.0
     enforce_eager: bool = True
+    # With `enforce_eager`, vLLM still torch.compiles a few helpers (the sampler's log-prob
+    # ranks): seconds of tracing at every engine start, and a kernel compile on a machine's
+    # first. False runs them eagerly in the engine core, with the same results; ignored
+    # without `enforce_eager`, where compiling is the point.
+    compile_helpers: bool = False
     seed: int = 0
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
@@ -251,6 +256,24 @@ def _apply_version_spans(versions: list[int], spans: Any) -> None:
             versions[index] = version
 
 
+@contextlib.contextmanager
+def _engine_core_environment(config: VLLMEngineConfig) -> Iterator[None]:
+    """Environment the engine-core process inherits when vLLM spawns it (this process's
+    own is restored after): `TORCHDYNAMO_DISABLE=1` unless helpers are to be compiled."""
+    if not config.enforce_eager or config.compile_helpers:
+        yield
+        return
+    previous = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TORCHDYNAMO_DISABLE", None)
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = previous
+
+
 def _import_vllm() -> tuple[type[AsyncEngineArgs], type[AsyncLLM]]:
     """vLLM's engine classes. The first import (torch, transformers, vLLM) takes 10-30 s on
     CPU: call this in a thread, not on the event loop."""
@@ -292,7 +315,8 @@ class VLLMEngine:
             logger.info("VLLM_ENABLE_V1_MULTIPROCESSING is not 0: start-up takes longer on CPU")
         engine_args = async_engine_args(**config.engine_args())
         loop = asyncio.get_running_loop()
-        llm = await loop.run_in_executor(None, async_llm.from_engine_args, engine_args)
+        with _engine_core_environment(config):
+            llm = await loop.run_in_executor(None, async_llm.from_engine_args, engine_args)
         engine = cls(llm, config)
         try:
             await llm.update_weight_version(str(config.initial_version))
