@@ -73,6 +73,13 @@ class WeightSyncWorkerExtension:
                 continue
         return sorted(os.sched_getaffinity(0))
 
+    def rollout_helpers_compiled(self) -> bool:
+        """Whether vLLM's torch.compile-decorated sampler helper is compiled in this process
+        (False: it runs eagerly; see `VLLMEngineConfig.compile_helpers`)."""
+        from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+        return hasattr(batched_count_greater_than, "_torchdynamo_orig_callable")
+
     def _rollout_reload(self, weights: dict[str, torch.Tensor]) -> int:
         import torch
 
