@@ -158,6 +158,8 @@ WEIGHT_TRANSPORT = "flat"
 SHM_DIR = "/dev/shm"
 # One warm-up generation at start-up, so the first real step does not pay for it.
 ENGINE_WARMUP = True
+# vLLM's torch.compile'd sampler helper runs eagerly: no tracing or kernel build at start.
+COMPILE_VLLM_HELPERS = False
 # Threads serializing weights off the engine host's event loop (one push at a time).
 ENGINE_IO_THREADS = 1
 # Tokens per streamed delta: fewer deltas cost less CPU per token, and version stamps stay
@@ -662,6 +664,7 @@ def _engine_config(
         max_model_len=max_model_len(config, model),
         kv_cache_gib=KV_CACHE_GIB,
         enforce_eager=ENFORCE_EAGER,
+        compile_helpers=COMPILE_VLLM_HELPERS,
         seed=config.seed + replica,
         max_num_seqs=max(MIN_ENGINE_SEQS, config.max_concurrency * config.group_size),
         enable_prefix_caching=PREFIX_CACHING,
