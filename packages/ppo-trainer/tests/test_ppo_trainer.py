@@ -135,6 +135,17 @@ async def test_stale_groups_are_dropped_and_staleness_is_recorded() -> None:
     assert "old/0" in trainer.consumed_response_ids  # dropped ones are done too
 
 
+def test_the_staleness_histogram_pads_to_a_small_bound_only() -> None:
+    from ppo_trainer.staleness import HIST_PADDED_UP_TO, staleness_metrics
+
+    assert staleness_metrics([0, 1, 1], max_staleness=4)["staleness/hist"] == [1, 2, 0, 0, 0]
+    assert staleness_metrics([], max_staleness=2)["staleness/hist"] == [0, 0, 0]
+    assert staleness_metrics([3], max_staleness=1)["staleness/hist"] == [0, 0, 0, 1]
+    assert len(staleness_metrics([0], HIST_PADDED_UP_TO)["staleness/hist"]) == HIST_PADDED_UP_TO + 1
+    # A bound meant as "no bound" gives a histogram as long as what was seen, not 10**6 zeros.
+    assert staleness_metrics([0, 2], max_staleness=1_000_000)["staleness/hist"] == [1, 0, 1]
+
+
 async def test_a_staleness_bound_value_decides_what_is_dropped() -> None:
     """Any object with `max_staleness` and `too_stale` (rollout-engine's `StalenessBound`
     in the app) replaces the config's bound; here one that only takes fresh groups."""

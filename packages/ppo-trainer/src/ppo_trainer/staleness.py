@@ -32,10 +32,17 @@ def group_staleness(group: list[Trajectory], version: int) -> int:
     return version - min(versions) if versions else 0
 
 
+# `staleness/hist` has a slot for every staleness up to the bound, so its shape holds from
+# step to step; a bound above this (one meant as "no bound") pads only to what was observed.
+HIST_PADDED_UP_TO = 64
+
+
 def staleness_metrics(staleness: list[int], max_staleness: int) -> dict[str, MetricValue]:
     """`staleness/mean|max` and `staleness/hist`, where hist[s] = groups consumed at staleness s
-    (length max(max_staleness, observed max) + 1)."""
-    hist = [0] * (max(max_staleness, max(staleness, default=0)) + 1)
+    (length max(max_staleness, observed max) + 1, the bound counting up to
+    `HIST_PADDED_UP_TO`)."""
+    padded_to = max_staleness if max_staleness <= HIST_PADDED_UP_TO else 0
+    hist = [0] * (max(padded_to, max(staleness, default=0)) + 1)
     for value in staleness:
         hist[max(value, 0)] += 1
     return {
