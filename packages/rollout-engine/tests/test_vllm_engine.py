@@ -38,10 +38,16 @@ def mean_abs_diff(a: list[float], b: list[float]) -> float:
 
 async def load(engine: Any, model: Any) -> int:
     """Load `model`'s weights as the next version (pausing around the load); returns it."""
+    return await load_next_version(engine, model.state_dict())
+
+
+async def load_next_version(engine: Any, weights: Any) -> int:
+    """Load `weights` (a state dict or a staged push) as the next version, pausing around
+    the load; returns the version."""
     version = engine.version + 1
     await engine.pause("keep", clear_cache=True)
     try:
-        await engine.load_weights(model.state_dict(), version)
+        await engine.load_weights(weights, version)
     finally:
         await engine.resume()
     return version
@@ -282,7 +288,7 @@ async def test_staged_weights_are_written_before_the_pause_and_consumed_by_the_l
     staged = await vllm_engine.stage_weights(new_model.state_dict())
     assert (staged.transport, len(os.listdir(shm_dir))) == ("flat", 1)
     assert not await vllm_engine.is_paused()  # staging does not stop generation
-    version = await load_staged(vllm_engine, staged)
+    version = await load_next_version(vllm_engine, staged)
     assert os.listdir(shm_dir) == []  # the load consumed the staged file
     prompt = tiny_qwen2.tokenizer.encode("7+2=")
     [completion] = await vllm_engine.generate(
@@ -296,16 +302,6 @@ async def test_staged_weights_are_written_before_the_pause_and_consumed_by_the_l
     unused.discard()
     unused.discard()  # idempotent
     assert os.listdir(shm_dir) == []
-
-
-async def load_staged(engine: Any, staged: Any) -> int:
-    version = engine.version + 1
-    await engine.pause("keep", clear_cache=True)
-    try:
-        await engine.load_weights(staged, version)
-    finally:
-        await engine.resume()
-    return version
 
 
 async def test_the_engine_core_runs_vllms_compiled_helpers_eagerly(vllm_engine):

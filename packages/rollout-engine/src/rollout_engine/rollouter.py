@@ -312,7 +312,7 @@ class Rollouter:
                 await self._engine.load_weights(weights, version)
                 resume.version = version
         finally:
-            if staged is not None:  # consumed by a load; not when the pause itself failed
+            if staged is not None:  # a load consumed it; this frees it if the pause failed
                 await asyncio.to_thread(staged.discard)
 
     evaluate = Delegate("_evaluator", Evaluator.evaluate)

@@ -424,9 +424,9 @@ class VLLMEngine:
 
     async def stage_weights(self, weights: Mapping[str, torch.Tensor]) -> VLLMStagedWeights:
         """Write a (CPU) state dict where the worker reads it (`weight_transport`), off the
-        event loop, while the engine keeps generating. `load_weights(staged, version)` then
-        pauses the engine for the load alone (measured at Qwen2.5-0.5B's shape: the write
-        is ~0.3 s of a ~1 s load). A staged push not loaded must be `discard()`ed."""
+        event loop, while the engine keeps generating, so that a pause around
+        `load_weights(staged, version)` covers the reload alone. A staged push that is
+        never loaded must be `discard()`ed."""
         loop = asyncio.get_running_loop()
         transport = self._config.weight_transport
         if transport == "flat":
