@@ -389,3 +389,33 @@ def test_per_token_clip_ranges() -> None:
     loss, metrics = policy_loss(logp, prox, adv, mask, clip_eps=eps, clip_eps_high=eps)
     assert metrics["clipfrac"].item() == pytest.approx(0.5)
     assert loss.item() == pytest.approx(-(1.15 + 1.1) / 2)
+
+
+def test_policy_metrics_are_each_a_masked_mean() -> None:
+    """The metrics, reduced together in one pass, equal each one's own masked mean (NaN at
+    masked positions ignored), and an all-masked batch gives zeros, not NaN."""
+    torch.manual_seed(0)
+    logp = torch.randn(3, 7) * 0.3
+    prox, behav = logp + torch.randn(3, 7) * 0.3, logp + torch.randn(3, 7) * 0.3
+    adv = torch.randn(3, 7)
+    mask = (torch.rand(3, 7) > 0.3).float()
+    logp = torch.where(mask.bool(), logp, NAN)
+    _, m = policy_loss(logp, prox, adv, mask, behav_logp=behav, is_cap=1.2, dual_clip=3.0)
+    log_ratio = (logp - prox).clamp(-20, 20)
+    ratio = log_ratio.exp()
+    weight = (prox - behav).exp()
+    unclipped, clipped = -adv * ratio, -adv * ratio.clamp(0.8, 1.2)
+    expected = {
+        "clipfrac": (clipped > unclipped).float(),
+        "approx_kl": (torch.expm1(log_ratio) - log_ratio).clamp(max=10.0),
+        "ppo_kl": -log_ratio,
+        "is_weight_mean": weight.clamp(max=1.2),
+        "is_capped_frac": (weight > 1.2).float(),
+        "ratio_mean": ratio,
+    }
+    for name, per_token in expected.items():
+        assert m[name].item() == pytest.approx(masked_mean(per_token, mask).item(), abs=1e-6), name
+    assert m["is_masked_frac"].item() == 0.0
+    assert 0.0 < m["clipfrac"].item() < 1.0 and 0.0 < m["is_capped_frac"].item() < 1.0
+    _, empty = policy_loss(logp, prox, adv, torch.zeros(3, 7), behav_logp=behav, is_cap=1.2)
+    assert all(v.item() == 0.0 for v in empty.values()), empty

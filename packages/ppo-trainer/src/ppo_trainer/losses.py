@@ -296,17 +296,25 @@ def _policy_metrics(
     with torch.no_grad():
         log_ratio = log_ratio.detach()
         k3 = (torch.expm1(log_ratio) - log_ratio).clamp(max=KL_CLAMP)
-        return {
-            "clipfrac": masked_mean(is_clipped.float(), mask),
-            "dual_clipfrac": masked_mean(dual_active.float(), mask),
-            "approx_kl": masked_mean(k3, mask),
-            "ppo_kl": masked_mean(-log_ratio, mask),
-            "is_weight_mean": masked_mean(weight, mask),
-            "is_weight_max": weight[valid].max() if valid.any() else weight.new_tensor(0.0),
-            "is_capped_frac": masked_mean(weights.capped.float(), mask),
-            "is_masked_frac": masked_mean(weights.masked.float(), mask),
-            "ratio_mean": masked_mean(torch.exp(log_ratio), mask),
+        dtype = log_ratio.dtype
+        # One masked reduction for all eight means: a separate `masked_mean` each cost
+        # 0.1 ms per micro-batch on small models (a 0.1M-parameter step is ~25 ms).
+        per_token = {
+            "clipfrac": is_clipped,
+            "dual_clipfrac": dual_active,
+            "approx_kl": k3,
+            "ppo_kl": -log_ratio,
+            "is_weight_mean": weight,
+            "is_capped_frac": weights.capped,
+            "is_masked_frac": weights.masked,
+            "ratio_mean": torch.exp(log_ratio),
         }
+        stacked = torch.stack([t.to(dtype) for t in per_token.values()])
+        count = valid.sum().to(dtype).clamp(min=1.0)
+        means = torch.where(valid, stacked, 0.0).flatten(1).sum(dim=1) / count
+        metrics = dict(zip(per_token, means.unbind(), strict=True))
+        metrics["is_weight_max"] = weight[valid].max() if valid.any() else weight.new_tensor(0.0)
+        return metrics
 
 
 def value_loss(
