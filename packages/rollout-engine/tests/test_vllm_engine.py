@@ -332,3 +332,23 @@ def test_the_engine_core_environment_is_set_only_for_eager_engines_and_restored(
     with _engine_core_environment(VLLMEngineConfig(model="m")):
         assert os.environ["TORCHDYNAMO_DISABLE"] == "1"
     assert os.environ["TORCHDYNAMO_DISABLE"] == "0"
+
+
+def test_vllms_pause_generation_awaits_only_what_our_pause_calls_and_a_sleep():
+    """`VLLMEngine.pause` makes `AsyncLLM.pause_generation`'s calls minus its 20 ms sleep: a
+    vLLM whose pause does more must fail here, not silently lose that step."""
+    import ast
+    import inspect
+    import textwrap
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(AsyncLLM.pause_generation)))
+    awaited = {
+        node.value.func.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Await)
+        and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Attribute)
+    }
+    assert awaited == {"clear_mm_cache_async", "pause_scheduler_async", "sleep"}

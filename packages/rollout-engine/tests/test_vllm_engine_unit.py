@@ -176,3 +176,39 @@ async def test_create_imports_vllm_off_the_event_loop(monkeypatch: pytest.Monkey
     engine._executor.shutdown()
     assert ticks >= 10  # ~50 ticks of 10 ms while the import blocked its thread
     assert 0.5 <= engine.import_s <= engine.startup_s
+
+
+class _PauseRecordingLLM:
+    """Stands in for `AsyncLLM` with its engine-core client and renderer (records calls)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.engine_core = self
+        self.renderer = self
+
+    async def clear_mm_cache_async(self) -> None:
+        self.calls.append(("clear_mm_cache",))
+
+    async def pause_scheduler_async(self, *, mode: str, clear_cache: bool) -> None:
+        self.calls.append(("pause_scheduler", mode, clear_cache))
+
+    async def pause_generation(self, **kwargs) -> None:
+        self.calls.append(("pause_generation",))
+
+
+async def test_pause_makes_vllms_pause_calls_without_its_sleep():
+    from rollout_engine.vllm_engine import VLLMEngine
+
+    llm = _PauseRecordingLLM()
+    engine = VLLMEngine(llm, VLLMEngineConfig(model="/m"))  # type: ignore[arg-type]
+    await engine.pause("keep", clear_cache=True)
+    await engine.pause("abort", clear_cache=False)
+    assert llm.calls == [
+        ("clear_mm_cache",),
+        ("pause_scheduler", "keep", True),
+        ("pause_scheduler", "abort", False),
+    ]
+    # An AsyncLLM without those parts (another vLLM version) gets its own pause_generation.
+    del llm.engine_core
+    await engine.pause("keep")
+    assert llm.calls[-1] == ("pause_generation",)
