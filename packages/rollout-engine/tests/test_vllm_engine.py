@@ -67,6 +67,15 @@ def check_shapes(completion: Completion) -> None:
     assert len(completion.versions) == n
 
 
+async def assert_serves(engine: Any, model: Any, version: int, prompt: list[int], seed: int):
+    """12 tokens after `prompt` come from `model`: stamped `version`, with its log-probs."""
+    sampling = SamplingConfig(max_tokens=12, seed=seed, ignore_eos=True)
+    [completion] = await engine.generate(f"serves-{seed}", prompt, sampling)
+    assert completion.versions == [version] * 12
+    reference = hf_logprobs(model, prompt, completion.token_ids, 1.0)
+    assert mean_abs_diff(completion.logprobs, reference) < TOLERANCE
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 async def test_behaviour_logprobs_match_transformers(vllm_engine, tiny_qwen2, temperature):
     version = await load(vllm_engine, tiny_qwen2.model)
@@ -228,14 +237,8 @@ async def test_weights_through_a_shared_memory_file(vllm_engine, tiny_qwen2, mon
     monkeypatch.setattr(vllm_engine, "_config", file_config)
 
     version = await load(vllm_engine, new_model)
-    prompt = tiny_qwen2.tokenizer.encode("8-1=")
-    [completion] = await vllm_engine.generate(
-        "shm", prompt, SamplingConfig(max_tokens=12, seed=2, ignore_eos=True)
-    )
+    await assert_serves(vllm_engine, new_model, version, tiny_qwen2.tokenizer.encode("8-1="), 2)
 
-    assert completion.versions == [version] * 12
-    reference = hf_logprobs(new_model, prompt, completion.token_ids, 1.0)
-    assert mean_abs_diff(completion.logprobs, reference) < TOLERANCE
     assert os.listdir(shm_dir) == []  # the weights file is removed after the load
 
 
@@ -247,14 +250,7 @@ async def test_weights_as_a_safetensors_blob(vllm_engine, tiny_qwen2, monkeypatc
     monkeypatch.setattr(vllm_engine, "_config", bytes_config)
 
     version = await load(vllm_engine, new_model)
-    prompt = tiny_qwen2.tokenizer.encode("4+4=")
-    [completion] = await vllm_engine.generate(
-        "blob", prompt, SamplingConfig(max_tokens=12, seed=3, ignore_eos=True)
-    )
-
-    assert completion.versions == [version] * 12
-    reference = hf_logprobs(new_model, prompt, completion.token_ids, 1.0)
-    assert mean_abs_diff(completion.logprobs, reference) < TOLERANCE
+    await assert_serves(vllm_engine, new_model, version, tiny_qwen2.tokenizer.encode("4+4="), 3)
 
 
 async def test_engine_threads_can_be_pinned(vllm_engine):
@@ -290,13 +286,7 @@ async def test_staged_weights_are_written_before_the_pause_and_consumed_by_the_l
     assert not await vllm_engine.is_paused()  # staging does not stop generation
     version = await load_next_version(vllm_engine, staged)
     assert os.listdir(shm_dir) == []  # the load consumed the staged file
-    prompt = tiny_qwen2.tokenizer.encode("7+2=")
-    [completion] = await vllm_engine.generate(
-        "staged", prompt, SamplingConfig(max_tokens=12, seed=4, ignore_eos=True)
-    )
-    assert completion.versions == [version] * 12
-    reference = hf_logprobs(new_model, prompt, completion.token_ids, 1.0)
-    assert mean_abs_diff(completion.logprobs, reference) < TOLERANCE
+    await assert_serves(vllm_engine, new_model, version, tiny_qwen2.tokenizer.encode("7+2="), 4)
 
     unused = await vllm_engine.stage_weights(tiny_qwen2.model.state_dict())
     unused.discard()
