@@ -399,7 +399,7 @@ class VLLMEngine:
         """`AsyncLLM.pause_generation` without its closing 20 ms sleep. vLLM sleeps only so
         that outputs sent before the pause reach their streams first ("not required for
         correctness"); our token versions do not rely on it (a finished sequence takes
-        vLLM's own version spans), and it was 40 % of a small model's push pause."""
+        vLLM's own version spans), and on a small model it is much of a push's pause."""
         llm = self._llm
         core = getattr(llm, "engine_core", None)
         renderer = getattr(llm, "renderer", None)
