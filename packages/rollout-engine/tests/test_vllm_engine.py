@@ -342,3 +342,25 @@ def test_vllms_pause_generation_awaits_only_what_our_pause_calls_and_a_sleep():
         and isinstance(node.value.func, ast.Attribute)
     }
     assert awaited == {"clear_mm_cache_async", "pause_scheduler_async", "sleep"}
+
+
+async def test_pause_wait_returns_once_in_flight_requests_have_finished(vllm_engine, tiny_qwen2):
+    """Mode "wait" (a push without partial rollout): the pause returns after the running
+    request finished all its tokens, and nothing new starts until the resume."""
+    prompt = tiny_qwen2.tokenizer.encode("3+3=")
+    sampling = SamplingConfig(max_tokens=60, seed=5, ignore_eos=True)
+    task = asyncio.create_task(vllm_engine.generate("wait", prompt, sampling))
+    await wait_for_progress(vllm_engine, "wait", 4, task)
+
+    await vllm_engine.pause("wait")
+    try:
+        [completion] = await asyncio.wait_for(task, timeout=5)
+        assert (completion.finish_reason, len(completion.token_ids)) == ("length", 60)
+        assert await vllm_engine.is_paused()
+        held = asyncio.create_task(vllm_engine.generate("held", prompt, sampling))
+        await asyncio.sleep(0.3)
+        assert vllm_engine.progress("held") == 0  # queued, not generating
+    finally:
+        await vllm_engine.resume()
+    [later] = await asyncio.wait_for(held, timeout=60)
+    assert len(later.token_ids) == 60
