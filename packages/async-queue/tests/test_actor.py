@@ -194,6 +194,31 @@ async def test_timeout_and_staleness_through_the_actor(make_item) -> None:
     ray.kill(client.handle)
 
 
+async def test_a_refused_call_frees_its_error_when_the_caller_drops_it() -> None:
+    """The queue's own error, re-raised from the Ray error, is in no reference cycle: dropped,
+    it is gone at once (with what it holds: the Ray error, the call, the object read), not
+    at the next garbage collection. A cycle kept a finished call's object in the object
+    store until one ran."""
+    import gc
+    import weakref
+
+    client = MessageQueueClient.create(maxsize=4)
+    gc.disable()
+    try:
+        for call in (client.get(timeout=0.05), client.get_batch(2, timeout=0.05)):
+            try:
+                await call
+            except QueueTimeout as error:
+                dropped = weakref.ref(error)
+                ray_error = weakref.ref(error.__context__)
+            for _ in range(3):  # the loop's last callback handle lets go of the call's future
+                await asyncio.sleep(0)
+            assert dropped() is None and ray_error() is None
+    finally:
+        gc.enable()
+    ray.kill(client.handle)
+
+
 async def test_hundreds_of_waiting_consumers_do_not_lock_out_the_producer(make_item) -> None:
     client = MessageQueueClient.create(maxsize=512)
     consumers = [asyncio.create_task(client.get()) for _ in range(300)]

@@ -754,6 +754,12 @@ def _forbid_running_loop(method_name: str) -> None:
 def _raise_own_error(exc: RayTaskError) -> NoReturn:
     """Re-raise the queue's own error carried by a Ray task error, else the Ray error."""
     own = _own_error(exc)
-    if own is None:
-        raise exc
-    raise own from None
+    try:
+        if own is None:
+            raise exc
+        raise own from None
+    finally:
+        # The raised error's traceback holds this frame: cleared, its locals make no cycle
+        # with it, so the error (and the Ray error and call it came from) is freed as soon
+        # as the caller drops it, not at the next garbage collection.
+        own = exc = None  # type: ignore[assignment]
