@@ -268,6 +268,6 @@ async def test_stress_by_reference(stress) -> None:
         run.cancel()
         await asyncio.wait({run}, timeout=30.0)  # its gets hand their items back
         pytest.fail(f"the by-ref stress did not finish in 180 s; queue: {stats}\n{pending}")
-    result = run.result()
+    result = await run  # done: returns at once
     check_stress(result)
     ray.kill(client.handle)
