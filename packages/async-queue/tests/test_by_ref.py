@@ -261,8 +261,8 @@ async def test_stress_by_reference(stress) -> None:
     run = asyncio.ensure_future(run_stress(client, seed=12, producer_ops=40))
     done, _ = await asyncio.wait({run}, timeout=180.0)
     if not done:
-        # Seen in whole-repository CI runs (never alone): say where the queue stood and
-        # which Ray calls and objects were pending, before cancelling changes them.
+        # A rare hang (a consumer waiting for a by-ref payload its owner no longer holds):
+        # say where the queue stood and what was pending, before cancelling changes it.
         stats = await asyncio.wait_for(client.stats(), 30.0)
         pending = await asyncio.wait_for(asyncio.to_thread(pending_references), 60.0)
         run.cancel()
