@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,13 +18,17 @@ from train_app.mirrors import WANDB_MISSING, open_mirrors
 from train_app.outputs import MetricsWriter, plot_run
 
 # The run file is a LevelDB-style log: a 7-byte file header (":W&B", magic, version), then
-# 32 KiB blocks of chunks, each with a 7-byte header (crc32c, little-endian length, type).
+# 32 KiB blocks (counted from the file's start) of chunks, each with a 7-byte header (CRC-32
+# of type + data, little-endian length, type).
 WANDB_BLOCK = 32768
 WANDB_HEADER = 7
 FULL, LAST = 1, 4
 
 
 def _wandb_records(path: Path) -> Iterator[Any]:
+    """The run file's records, up to its first incomplete or corrupt chunk: W&B's service may
+    still be writing the tail (the exit records) after `finish()` returns, and a LevelDB log
+    reader ends the log there too. A record the test needs and this misses fails its assert."""
     from wandb.proto import wandb_internal_pb2
 
     data = path.read_bytes()
@@ -34,14 +39,18 @@ def _wandb_records(path: Path) -> Iterator[Any]:
         if left < WANDB_HEADER:  # block trailer padding
             pos += left
             continue
+        crc = int.from_bytes(data[pos : pos + 4], "little")
         length = int.from_bytes(data[pos + 4 : pos + 6], "little")
-        chunk += data[pos + WANDB_HEADER : pos + WANDB_HEADER + length]
+        end = pos + WANDB_HEADER + length
+        if end > len(data) or zlib.crc32(data[pos + 6 : end]) != crc:
+            return  # the torn tail
+        chunk += data[pos + WANDB_HEADER : end]
         if data[pos + 6] in (FULL, LAST):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(chunk)
             chunk = b""
             yield record
-        pos += WANDB_HEADER + length
+        pos = end
 
 
 def _history(run_file: Path) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
