@@ -236,7 +236,62 @@ async def test_no_by_ref_item_lost_or_doubled_when_gets_are_cancelled() -> None:
             break
     assert sorted(delivered + rest) == sorted(produced)
     assert 0 < len(delivered) < len(produced)  # some trials delivered, some were cancelled
+    assert await _held_deliveries(client) == 0  # hand-backs release their deliveries too
     ray.kill(client.handle)
+
+
+async def _held_deliveries(client: MessageQueueClient, at_most: int = 0) -> int:
+    """The queue actor's held deliveries, once at most `at_most` (releases run in the
+    background) or after `WAIT` s."""
+    deadline = time.monotonic() + WAIT
+    while (held := await client.handle.held_deliveries.remote()) > at_most:
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    return held
+
+
+async def test_a_delivery_holds_its_payloads_until_its_client_releases_them() -> None:
+    """The queue actor keeps the payload refs a get delivered until the client says it has
+    fetched them, so the payload object outlives every other reference to it; the clients
+    release after each get, peek and hand-back (~3 s)."""
+    client = MessageQueueClient.create(maxsize=16)
+    before = await asyncio.to_thread(wait_for_objects, 0, 5.0)
+    await client.put_many([_item(0, MIB), _item(1, 100)])
+    raw = await client.handle.get_batch.remote(2, None, 2, None, None, "ticket-1")
+    assert [type(e) for e in raw] == [ByRef, bytes]
+    del raw  # no other reference is left: only the hold keeps the payload object
+    assert await client.handle.held_deliveries.remote() == 1
+    await asyncio.sleep(1.0)  # unheld, it would be freed by now (~0.1 s here)
+    assert await asyncio.to_thread(plasma_objects) == before + 1
+    await client.handle.release.remote("ticket-1")
+    assert await client.handle.held_deliveries.remote() == 0
+    assert await asyncio.to_thread(wait_for_objects, before) <= before
+
+    items = [_item(i, MIB) for i in range(2, 6)]
+    await client.put_many(items)
+    assert await client.peek_all() == items
+    assert await client.get_batch(2, min_items=2) == items[:2]
+    sync = client.to_sync()  # the blocking client too, on a thread without a loop
+    assert await asyncio.to_thread(sync.peek_all) == items[2:]
+    assert await asyncio.to_thread(sync.get_batch, 2, min_items=2) == items[2:]
+    assert await _held_deliveries(client) == 0
+    ray.kill(client.handle)
+
+
+async def test_an_unreleased_delivery_is_dropped_after_the_hold_limit(monkeypatch) -> None:
+    """A client that died between a get's reply and its fetch never releases: the actor
+    drops that hold once it is `DELIVERY_HOLD_S` old (bookkeeping only: the actor's class
+    runs in this process here)."""
+    from async_queue import actor
+
+    queue = actor.QueueActor(4, "block")
+    element = ByRef(0, b"", ray.put([b"payload"]), 0, adopt=False)
+    assert queue._deliver("ticket-1", [element]) == [element]
+    assert queue._deliver("ticket-2", [b"no refs"]) == [b"no refs"]  # nothing to hold
+    assert await queue.held_deliveries() == 1
+    monkeypatch.setattr(actor, "DELIVERY_HOLD_S", -1.0)
+    assert await queue.held_deliveries() == 0
 
 
 def test_sync_client_by_reference() -> None:

@@ -23,6 +23,12 @@ the caller of the call that writes them.) Two ways, one per put call (see `_wire
   object as a new object. The producer's own object is freed when its put returns.
 
 Either way the queue holds only refs; the payload bytes never enter this process.
+
+A get that delivers by-ref items keeps their payload refs under its ticket until the client
+says it has fetched them (`release`), so the payload objects live at least that long. Ray's
+borrowing should keep them alive anyway; under load it did not always (rarely, a consumer
+waited forever for a small payload object that this actor, its owner, had already freed).
+Holds a client never releases (it died) are dropped after `DELIVERY_HOLD_S`.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import os
 import pickle
 import resource
 import sys
+import time
 from collections import OrderedDict, deque
 from collections.abc import Coroutine
 from typing import Any
@@ -55,6 +62,7 @@ from async_queue.types import FullPolicy
 __all__ = [
     "DEFAULT_HAND_OVER_TIMEOUT_S",
     "DEFAULT_MAX_CONCURRENCY",
+    "DELIVERY_HOLD_S",
     "STALE_IDS_KEPT",
     "PayloadAdopter",
     "QueueActor",
@@ -74,6 +82,9 @@ _EARLY_ABANDONS_KEPT = 1024
 # The ids of items dropped as too stale that `stale_item_ids` can still report (a producer
 # generates those prompts again); the oldest are forgotten beyond this many.
 STALE_IDS_KEPT = 4096
+# How long a delivery's payload refs are held for a client that never releases them (it
+# died between the get's reply and its fetch); a live client releases within milliseconds.
+DELIVERY_HOLD_S = 600.0
 
 
 class PayloadAdopter:
@@ -106,6 +117,8 @@ class QueueActor:
         self._abandoned: set[str] = set()  # tickets of running gets their caller abandoned
         self._early_abandons: OrderedDict[str, None] = OrderedDict()
         self._adopter: ray.actor.ActorHandle | None = None
+        # ticket -> (when, the payload refs its get or peek delivered); oldest first.
+        self._held: OrderedDict[str, tuple[float, list[ray.ObjectRef]]] = OrderedDict()
 
     async def put_many(
         self, elements: list[_wire.WireItem], source: _wire.PullSource | None = None
@@ -213,7 +226,7 @@ class QueueActor:
         ticket: str | None = None,
     ) -> list[_wire.WireItem]:
         batch = await self._take(ticket, self._queue.get_batch(1, timeout))
-        return [batch[0].wire]
+        return self._deliver(ticket, [batch[0].wire])
 
     async def get_batch(
         self,
@@ -231,7 +244,31 @@ class QueueActor:
             current_version=current_version,
             max_staleness=max_staleness,
         )
-        return [item.wire for item in await self._take(ticket, call)]
+        return self._deliver(ticket, [item.wire for item in await self._take(ticket, call)])
+
+    async def release(self, ticket: str) -> None:
+        """The client of the get (or peek) `ticket` has fetched its by-ref payloads (or
+        handed its items back): stop holding them (see the module doc)."""
+        self._held.pop(ticket, None)
+
+    async def held_deliveries(self) -> int:
+        """How many deliveries still hold their payload refs (0 once every client released)."""
+        self._forget_old_holds()
+        return len(self._held)
+
+    def _deliver(self, ticket: str | None, elements: list[_wire.WireItem]) -> list[_wire.WireItem]:
+        """Hold the payload refs of `elements` under `ticket` until `release` (module doc)."""
+        self._forget_old_holds()
+        refs = list(_wire.distinct_refs(elements).values())
+        if refs and ticket is not None:
+            self._held[ticket] = (time.monotonic(), refs)
+        return elements
+
+    def _forget_old_holds(self) -> None:
+        cutoff = time.monotonic() - DELIVERY_HOLD_S
+        while self._held and next(iter(self._held.values()))[0] < cutoff:
+            ticket, _ = self._held.popitem(last=False)
+            logger.warning("dropped the payload hold of get %s: never released", ticket)
 
     async def abandon(self, ticket: str) -> None:
         """The caller of the get `ticket` was cancelled and no longer wants its items.
@@ -312,10 +349,11 @@ class QueueActor:
         start = max(0, since - missed)
         return self._stale_total, list(self._stale_ids)[start:]
 
-    async def peek_all(self) -> list[_wire.WireItem]:
+    async def peek_all(self, ticket: str | None = None) -> list[_wire.WireItem]:
         """Every queued item in its wire form, oldest first; nothing is taken or counted (a
-        by-ref item's payload stays in the object store: the client fetches it)."""
-        return [raw.wire for raw in self._queue.items()]
+        by-ref item's payload stays in the object store: the client fetches it, then
+        releases `ticket`: a get may take the items meanwhile)."""
+        return self._deliver(ticket, [raw.wire for raw in self._queue.items()])
 
 
 def _cancel_quietly(ref: ray.ObjectRef) -> None:

@@ -73,7 +73,8 @@ __all__ = ["DEFAULT_BY_REF_BYTES", "MessageQueueClient", "SyncMessageQueueClient
 
 logger = logging.getLogger(__name__)
 
-# Hand-backs that outlived a second cancellation of their caller (strong references).
+# Hand-backs that outlived a second cancellation of their caller, and releases of fetched
+# deliveries (strong references).
 _HANDING_BACK: set[asyncio.Task[None]] = set()
 DEFAULT_BY_REF_BYTES = _wire.DEFAULT_BY_REF_BYTES
 # How long the sync client waits, after Ctrl-C, for the reply of the get it interrupted.
@@ -510,7 +511,12 @@ class MessageQueueClient(_QueueClient):
         payloads are fetched as a get fetches them. Read-only: another consumer may take the
         items at any time after, so only a caller that is the sole consumer (and is not
         reading) knows the copy is still what is queued."""
-        return await _wire.resolve(await self._call(self._actor.peek_all))
+        ticket = _ticket()
+        elements = await self._call(self._actor.peek_all, ticket)
+        try:
+            return await _wire.resolve(elements)
+        finally:
+            _release_soon(self._actor, elements, ticket)
 
     async def actor_memory(self) -> dict[str, int]:
         """The queue actor's process: `pid`, `rss_bytes`, `peak_rss_bytes`."""
@@ -555,11 +561,33 @@ class MessageQueueClient(_QueueClient):
             await _in_background(_hand_back(self._actor, ref, ticket))
             raise
         try:
-            return await _wire.resolve(elements)  # fetches by-ref payloads
+            items = await _wire.resolve(elements)  # fetches by-ref payloads
         except asyncio.CancelledError:
             # Taken but not delivered: the refs are still valid, give the items back.
-            await _in_background(_requeue(self._actor, elements))
+            await _in_background(_requeue(self._actor, elements, ticket))
             raise
+        except BaseException:
+            _release_soon(self._actor, elements, ticket)
+            raise
+        _release_soon(self._actor, elements, ticket)
+        return items
+
+
+def _release_soon(actor: ActorHandle, elements: list[_wire.WireItem], ticket: str) -> None:
+    """Tell the actor, in the background, that the by-ref payloads the get (or peek)
+    `ticket` delivered were fetched or handed back (see `QueueActor.release`). No call when
+    the delivery had none (the actor held nothing)."""
+    if _wire.distinct_refs(elements):
+        task = asyncio.ensure_future(_release(actor, ticket))
+        _HANDING_BACK.add(task)
+        task.add_done_callback(_HANDING_BACK.discard)
+
+
+async def _release(actor: ActorHandle, ticket: str) -> None:
+    try:
+        await actor.release.remote(ticket)
+    except RayError:  # the queue is gone: nothing is held any more
+        logger.debug("could not release delivery %s", ticket, exc_info=True)
 
 
 async def _in_background(hand_back: Coroutine[Any, Any, None]) -> None:
@@ -613,7 +641,7 @@ class SyncMessageQueueClient(_QueueClient):
         self._call("close", self._actor.close, *_cause_text(error))
 
     def get(self, timeout: float | None = None) -> QueueItem:
-        return _wire.from_wire_blocking(self._take("get", self._actor.get, timeout))[0]
+        return self._take("get", self._actor.get, timeout)[0]
 
     def get_batch(
         self,
@@ -625,7 +653,7 @@ class SyncMessageQueueClient(_QueueClient):
         max_staleness: int | None = None,
     ) -> list[QueueItem]:
         _check_batch_args(n, min_items, current_version, max_staleness)
-        elements = self._take(
+        return self._take(
             "get_batch",
             self._actor.get_batch,
             n,
@@ -634,7 +662,6 @@ class SyncMessageQueueClient(_QueueClient):
             current_version,
             max_staleness,
         )
-        return _wire.from_wire_blocking(elements)
 
     def __iter__(self) -> Iterator[QueueItem]:
         while True:
@@ -657,7 +684,12 @@ class SyncMessageQueueClient(_QueueClient):
     def peek_all(self) -> list[QueueItem]:
         """A copy of every queued item, oldest first; they stay queued (see the async
         client's `peek_all`)."""
-        return _wire.from_wire_blocking(self._call("peek_all", self._actor.peek_all))
+        ticket = _ticket()
+        elements = self._call("peek_all", self._actor.peek_all, ticket)
+        try:
+            return _wire.from_wire_blocking(elements)
+        finally:
+            _release_now(self._actor, elements, ticket)
 
     def actor_memory(self) -> dict[str, int]:
         return dict(self._call("actor_memory", self._actor.memory))
@@ -692,13 +724,13 @@ class SyncMessageQueueClient(_QueueClient):
         except RayTaskError as exc:
             _raise_own_error(exc)
 
-    def _take(self, name: str, method: Any, *args: Any) -> list[_wire.WireItem]:
+    def _take(self, name: str, method: Any, *args: Any) -> list[QueueItem]:
         """A get whose items survive Ctrl-C (KeyboardInterrupt) like the async client's."""
         _forbid_running_loop(name)
         ticket = _ticket()
         ref = method.remote(*args, ticket)
         try:
-            return ray.get(ref)
+            elements = ray.get(ref)
         except RayTaskError as exc:
             _raise_own_error(exc)
         except KeyboardInterrupt:
@@ -708,8 +740,27 @@ class SyncMessageQueueClient(_QueueClient):
             except RayError:  # GetTimeoutError too
                 elements = None  # nothing was taken (or the queue is gone)
             if elements:
-                ray.get(self._actor.requeue.remote(elements), timeout=_SYNC_HAND_BACK_S)
+                self._hand_back(elements, ticket)
             raise
+        try:
+            return _wire.from_wire_blocking(elements)  # fetches by-ref payloads
+        except KeyboardInterrupt:
+            self._hand_back(elements, ticket)
+            raise
+        finally:
+            _release_now(self._actor, elements, ticket)
+
+    def _hand_back(self, elements: list[_wire.WireItem], ticket: str) -> None:
+        try:
+            ray.get(self._actor.requeue.remote(elements), timeout=_SYNC_HAND_BACK_S)
+        finally:
+            _release_now(self._actor, elements, ticket)
+
+
+def _release_now(actor: ActorHandle, elements: list[_wire.WireItem], ticket: str) -> None:
+    """The sync client's `_release_soon`: sent, not waited for (it never fails the get)."""
+    if _wire.distinct_refs(elements):
+        actor.release.remote(ticket)
 
 
 def _cancel(ref: ray.ObjectRef) -> None:
@@ -720,8 +771,11 @@ def _cancel(ref: ray.ObjectRef) -> None:
         logger.debug("could not cancel queue call", exc_info=True)
 
 
-async def _requeue(actor: ActorHandle, elements: list[_wire.WireItem]) -> None:
-    await actor.requeue.remote(elements)
+async def _requeue(actor: ActorHandle, elements: list[_wire.WireItem], ticket: str) -> None:
+    try:
+        await actor.requeue.remote(elements)
+    finally:
+        _release_soon(actor, elements, ticket)  # after the queue holds the refs again
     logger.debug("handed %d item(s) of a cancelled get back to the queue", len(elements))
 
 
@@ -734,8 +788,7 @@ async def _hand_back(actor: ActorHandle, ref: ray.ObjectRef, ticket: str) -> Non
     except RayError:
         return  # abandoned, timed out, closed, failed, or the actor is gone: nothing taken
     if elements:
-        await actor.requeue.remote(elements)
-        logger.debug("handed %d item(s) of a cancelled get back to the queue", len(elements))
+        await _requeue(actor, elements, ticket)
 
 
 def _forbid_running_loop(method_name: str) -> None:
