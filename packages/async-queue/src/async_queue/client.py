@@ -8,7 +8,8 @@ moves in one call as msgpack-encoded items. Exceptions the actor raises arrive w
 
 Payloads of `by_ref_bytes` (default 64 KiB) or more go by reference, those of one call as one
 object owned by the queue actor (so they survive the producer); the actor queues only refs,
-and the consuming client awaits each distinct ref once (see `_wire`). A producing client
+and the consuming client awaits each distinct ref once (see `_wire`), then tells the actor it
+may let go of them (`release`, in the background). A producing client
 inside a Ray actor that serves concurrent calls (an async actor, or `max_concurrency` > 1)
 keeps the payloads until the queue actor pulls them (`_handover`: one write into the object
 store) when a call slot stays free for that; any other client `ray.put`s them (in a worker
