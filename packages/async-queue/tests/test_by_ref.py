@@ -325,4 +325,5 @@ async def test_stress_by_reference(stress) -> None:
         pytest.fail(f"the by-ref stress did not finish in 180 s; queue: {stats}\n{pending}")
     result = await run  # done: returns at once
     check_stress(result)
+    assert await _held_deliveries(client) == 0  # every get released what it fetched
     ray.kill(client.handle)

@@ -238,7 +238,13 @@ async def test_ours_keeps_param_version_and_large_samples_stay_out_of_the_actor(
     await asyncio.gather(waiting, return_exceptions=True)
     await empty[1].put_sample(b"kept")
     assert await empty[1].get_sample() == (b"kept", 0)
-    assert [await ours.get_sample() for _ in range(2)] == [(big[1], 1), (big[2], 0)]
+    assert await ours.get_sample() == (big[1], 1)
+    assert await asyncio.to_thread(ours.get_sample_sync) == (big[2], 0)  # by ref too
+    # Each get released the payload it fetched (QueueActor.release; in the background).
+    deadline = time.monotonic() + 30.0
+    while await ours.queue_actor.held_deliveries.remote() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert await ours.queue_actor.held_deliveries.remote() == 0
 
 
 async def test_non_bytes_samples_round_trip(clients: Factory) -> None:

@@ -54,7 +54,14 @@ from ray.exceptions import RayError, RayTaskError
 
 from async_queue import _wire
 from async_queue.actor import QueueActor, _process_memory
-from async_queue.client import _in_background, _raise_own_error, _ticket
+from async_queue.client import (
+    _in_background,
+    _raise_own_error,
+    _release_now,
+    _release_soon,
+    _requeue,
+    _ticket,
+)
 from async_queue.errors import QueueClosed, SyncClientInEventLoopError
 from async_queue.types import DROP_REASON_OVERFLOW, FullPolicy, QueueItem
 
@@ -233,7 +240,8 @@ class VerlMessageQueue(QueueActor):
             if self._legacy_none:
                 return None
             raise
-        return [batch[0].wire], self._queue.qsize()
+        # Held under the ticket until the client has fetched it (see `QueueActor.release`).
+        return self._deliver(ticket, [batch[0].wire]), self._queue.qsize()
 
 
 # verl's actor is `@ray.remote(num_cpus=2, max_concurrency=20)`; this one waits on I/O only.
@@ -287,8 +295,12 @@ class MessageQueueClient:
         try:
             (item,) = await _wire.resolve(elements)
         except asyncio.CancelledError:
-            await _in_background(_requeue(self.queue_actor, elements))
+            await _in_background(_requeue(self.queue_actor, elements, ticket))
             raise
+        except BaseException:
+            _release_soon(self.queue_actor, elements, ticket)
+            raise
+        _release_soon(self.queue_actor, elements, ticket)
         if item.metadata.get(_KIND) == _PICKLED:
             return await asyncio.to_thread(_from_item, item), remaining
         return _from_item(item), remaining
@@ -319,11 +331,15 @@ class MessageQueueClient:
 
     def get_sample_sync(self) -> tuple[Any, int]:
         _forbid_running_loop("get_sample_sync", "get_sample")
-        reply = _call_sync(self.queue_actor.get_sample_wire)
+        ticket = _ticket()
+        reply = _call_sync(self.queue_actor.get_sample_wire, ticket)
         if reply is None:
             return None, 0
         elements, remaining = reply
-        (item,) = _wire.from_wire_blocking(elements)
+        try:
+            (item,) = _wire.from_wire_blocking(elements)
+        finally:
+            _release_now(self.queue_actor, elements, ticket)
         return _from_item(item), remaining
 
     def get_statistics_sync(self) -> dict[str, Any]:
@@ -353,10 +369,6 @@ def _call_sync(method: Any, *args: Any) -> Any:
         _raise_own_error(exc)
 
 
-async def _requeue(actor: ActorHandle, elements: list[_wire.WireItem]) -> None:
-    await actor.requeue.remote(elements)
-
-
 async def _hand_back(actor: ActorHandle, ref: ray.ObjectRef, ticket: str) -> None:
     """The caller of a get was cancelled: abandon it; put back a sample it already sent."""
     await actor.abandon.remote(ticket)
@@ -365,7 +377,7 @@ async def _hand_back(actor: ActorHandle, ref: ray.ObjectRef, ticket: str) -> Non
     except RayError:
         return  # abandoned (nothing taken), closed, or the actor is gone
     if reply is not None:
-        await actor.requeue.remote(reply[0])
+        await _requeue(actor, reply[0], ticket)
 
 
 def _forbid_running_loop(method: str, async_method: str) -> None:
