@@ -76,7 +76,7 @@ logger = logging.getLogger(__name__)
 
 # Hand-backs that outlived a second cancellation of their caller, and releases of fetched
 # deliveries (strong references).
-_HANDING_BACK: set[asyncio.Task[None]] = set()
+_BACKGROUND_CALLS: set[asyncio.Task[None]] = set()
 DEFAULT_BY_REF_BYTES = _wire.DEFAULT_BY_REF_BYTES
 # How long the sync client waits, after Ctrl-C, for the reply of the get it interrupted.
 _SYNC_HAND_BACK_S = 10.0
@@ -561,17 +561,25 @@ class MessageQueueClient(_QueueClient):
         except asyncio.CancelledError:
             await _in_background(_hand_back(self._actor, ref, ticket))
             raise
-        try:
-            items = await _wire.resolve(elements)  # fetches by-ref payloads
-        except asyncio.CancelledError:
-            # Taken but not delivered: the refs are still valid, give the items back.
-            await _in_background(_requeue(self._actor, elements, ticket))
-            raise
-        except BaseException:
-            _release_soon(self._actor, elements, ticket)
-            raise
-        _release_soon(self._actor, elements, ticket)
-        return items
+        return await _fetch(self._actor, elements, ticket)
+
+
+async def _fetch(
+    actor: ActorHandle, elements: list[_wire.WireItem], ticket: str
+) -> list[QueueItem]:
+    """The items of the get `ticket`'s reply, by-ref payloads fetched; then `release`. A
+    fetch cancelled midway hands the items back first (taken but not delivered: the refs
+    are still valid)."""
+    try:
+        items = await _wire.resolve(elements)
+    except asyncio.CancelledError:
+        await _in_background(_requeue(actor, elements, ticket))
+        raise
+    except BaseException:
+        _release_soon(actor, elements, ticket)
+        raise
+    _release_soon(actor, elements, ticket)
+    return items
 
 
 def _release_soon(actor: ActorHandle, elements: list[_wire.WireItem], ticket: str) -> None:
@@ -580,8 +588,8 @@ def _release_soon(actor: ActorHandle, elements: list[_wire.WireItem], ticket: st
     the delivery had none (the actor held nothing)."""
     if _wire.distinct_refs(elements):
         task = asyncio.ensure_future(_release(actor, ticket))
-        _HANDING_BACK.add(task)
-        task.add_done_callback(_HANDING_BACK.discard)
+        _BACKGROUND_CALLS.add(task)
+        task.add_done_callback(_BACKGROUND_CALLS.discard)
 
 
 async def _release(actor: ActorHandle, ticket: str) -> None:
@@ -594,8 +602,8 @@ async def _release(actor: ActorHandle, ticket: str) -> None:
 async def _in_background(hand_back: Coroutine[Any, Any, None]) -> None:
     """Run a hand-back to its end even if the caller is cancelled again meanwhile."""
     task = asyncio.ensure_future(hand_back)
-    _HANDING_BACK.add(task)
-    task.add_done_callback(_HANDING_BACK.discard)
+    _BACKGROUND_CALLS.add(task)
+    task.add_done_callback(_BACKGROUND_CALLS.discard)
     try:
         await asyncio.shield(task)
     except asyncio.CancelledError:
@@ -744,12 +752,15 @@ class SyncMessageQueueClient(_QueueClient):
                 self._hand_back(elements, ticket)
             raise
         try:
-            return _wire.from_wire_blocking(elements)  # fetches by-ref payloads
+            items = _wire.from_wire_blocking(elements)  # fetches by-ref payloads
         except KeyboardInterrupt:
-            self._hand_back(elements, ticket)
+            self._hand_back(elements, ticket)  # releases once the queue holds them again
             raise
-        finally:
+        except BaseException:
             _release_now(self._actor, elements, ticket)
+            raise
+        _release_now(self._actor, elements, ticket)
+        return items
 
     def _hand_back(self, elements: list[_wire.WireItem], ticket: str) -> None:
         try:

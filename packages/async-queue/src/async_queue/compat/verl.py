@@ -55,10 +55,10 @@ from ray.exceptions import RayError, RayTaskError
 from async_queue import _wire
 from async_queue.actor import QueueActor, _process_memory
 from async_queue.client import (
+    _fetch,
     _in_background,
     _raise_own_error,
     _release_now,
-    _release_soon,
     _requeue,
     _ticket,
 )
@@ -292,15 +292,7 @@ class MessageQueueClient:
         if reply is None:
             return None, 0
         elements, remaining = reply
-        try:
-            (item,) = await _wire.resolve(elements)
-        except asyncio.CancelledError:
-            await _in_background(_requeue(self.queue_actor, elements, ticket))
-            raise
-        except BaseException:
-            _release_soon(self.queue_actor, elements, ticket)
-            raise
-        _release_soon(self.queue_actor, elements, ticket)
+        (item,) = await _fetch(self.queue_actor, elements, ticket)
         if item.metadata.get(_KIND) == _PICKLED:
             return await asyncio.to_thread(_from_item, item), remaining
         return _from_item(item), remaining
