@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from async_queue.core import MessageQueue
 from async_queue.errors import (
+    PayloadUnavailable,
     ProducerFailed,
     QueueClosed,
     QueueError,
@@ -49,6 +50,7 @@ __all__ = [
     "FullPolicy",
     "MessageQueue",
     "MessageQueueClient",
+    "PayloadUnavailable",
     "ProducerFailed",
     "QueueActor",
     "QueueClosed",

@@ -25,10 +25,12 @@ the caller of the call that writes them.) Two ways, one per put call (see `_wire
 Either way the queue holds only refs; the payload bytes never enter this process.
 
 A get that delivers by-ref items keeps their payload refs under its ticket until the client
-says it has fetched them (`release`), so the payload objects live at least that long. Ray's
-borrowing should keep them alive anyway; under load it did not always (rarely, a consumer
-waited forever for a small payload object that this actor, its owner, had already freed).
-Holds a client never releases (it died) are dropped after `DELIVERY_HOLD_S`.
+says it has fetched them (`release`), so the payload objects live at least that long. Holds a
+client never releases (it died) are dropped after `DELIVERY_HOLD_S`. Rarely (about once in 30
+runs of the by-ref stress), Ray never delivers a small payload object to a consumer that
+borrows it although this actor, its owner, holds it and can read it; so a client that has not
+learnt of a payload object `_wire.FETCH_STALL_S` after the reply asks for it by value
+(`held_payloads`), the one path on which payload bytes pass through this process.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from async_queue.core import MessageQueue
 from async_queue.errors import (
     GetAbandoned,
     HandOverTimeout,
+    PayloadUnavailable,
     ProducerFailed,
     PutWithdrawn,
     QueueError,
@@ -250,6 +253,22 @@ class QueueActor:
         """The client of the get (or peek) `ticket` has fetched its by-ref payloads (or
         handed its items back): stop holding them (see the module doc)."""
         self._held.pop(ticket, None)
+
+    async def held_payloads(self, ticket: str, object_ids: list[bytes]) -> list[list[Any]]:
+        """By value, the payload objects `object_ids` that the get (or peek) `ticket`
+        delivered and this actor still holds: the client's way out when Ray does not deliver
+        one to it (see `_wire.resolve`). Raises `PayloadUnavailable` for one not held."""
+        held = self._held.get(ticket)
+        refs = {ref.binary(): ref for ref in held[1]} if held else {}
+        missing = [oid.hex() for oid in object_ids if oid not in refs]
+        if missing:
+            raise PayloadUnavailable(
+                f"the queue no longer holds payload object(s) {missing} of get {ticket} "
+                "(released, or held longer than DELIVERY_HOLD_S)"
+            )
+        values = await asyncio.gather(*(refs[oid] for oid in object_ids))
+        # Out of band, as the adopter writes them: one copy into the reply's object.
+        return [[pickle.PickleBuffer(p) for p in value] for value in values]
 
     async def held_deliveries(self) -> int:
         """How many deliveries still hold their payload refs (0 once every client released)."""

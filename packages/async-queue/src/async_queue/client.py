@@ -515,7 +515,7 @@ class MessageQueueClient(_QueueClient):
         ticket = _ticket()
         elements = await self._call(self._actor.peek_all, ticket)
         try:
-            return await _wire.resolve(elements)
+            return await _wire.resolve(elements, _from_queue(self._actor, ticket))
         finally:
             _release_soon(self._actor, elements, ticket)
 
@@ -571,7 +571,7 @@ async def _fetch(
     fetch cancelled midway hands the items back first (taken but not delivered: the refs
     are still valid)."""
     try:
-        items = await _wire.resolve(elements)
+        items = await _wire.resolve(elements, _from_queue(actor, ticket))
     except asyncio.CancelledError:
         await _in_background(_requeue(actor, elements, ticket))
         raise
@@ -580,6 +580,31 @@ async def _fetch(
         raise
     _release_soon(actor, elements, ticket)
     return items
+
+
+def _from_queue(actor: ActorHandle, ticket: str) -> _wire.FromQueue:
+    """The payloads of the get (or peek) `ticket` by value, from the queue actor that holds
+    them (see `_wire.resolve`)."""
+
+    async def fetch(object_ids: list[bytes]) -> list[Any]:
+        try:
+            return await actor.held_payloads.remote(ticket, object_ids)
+        except RayTaskError as exc:
+            _raise_own_error(exc)
+
+    return fetch
+
+
+def _from_queue_blocking(actor: ActorHandle, ticket: str) -> _wire.FromQueueBlocking:
+    """`_from_queue` for the sync clients."""
+
+    def fetch(object_ids: list[bytes]) -> list[Any]:
+        try:
+            return ray.get(actor.held_payloads.remote(ticket, object_ids))
+        except RayTaskError as exc:
+            _raise_own_error(exc)
+
+    return fetch
 
 
 def _release_soon(actor: ActorHandle, elements: list[_wire.WireItem], ticket: str) -> None:
@@ -696,7 +721,7 @@ class SyncMessageQueueClient(_QueueClient):
         ticket = _ticket()
         elements = self._call("peek_all", self._actor.peek_all, ticket)
         try:
-            return _wire.from_wire_blocking(elements)
+            return _wire.from_wire_blocking(elements, _from_queue_blocking(self._actor, ticket))
         finally:
             _release_now(self._actor, elements, ticket)
 
@@ -752,7 +777,8 @@ class SyncMessageQueueClient(_QueueClient):
                 self._hand_back(elements, ticket)
             raise
         try:
-            items = _wire.from_wire_blocking(elements)  # fetches by-ref payloads
+            # Fetches by-ref payloads.
+            items = _wire.from_wire_blocking(elements, _from_queue_blocking(self._actor, ticket))
         except KeyboardInterrupt:
             self._hand_back(elements, ticket)  # releases once the queue holds them again
             raise

@@ -103,6 +103,13 @@ class HandOverTimeout(QueueError):
     """
 
 
+class PayloadUnavailable(QueueError):
+    """A get's by-ref payload could not be fetched: Ray did not deliver it to this process
+    and the queue actor no longer holds it (the get's hold was released or is older than
+    `async_queue.actor.DELIVERY_HOLD_S`). The get's items are lost to this caller.
+    """
+
+
 class SyncClientInEventLoopError(RuntimeError):
     """`SyncMessageQueueClient` was called on a thread whose asyncio event loop is running.
 

@@ -56,6 +56,7 @@ from async_queue import _wire
 from async_queue.actor import QueueActor, _process_memory
 from async_queue.client import (
     _fetch,
+    _from_queue_blocking,
     _in_background,
     _raise_own_error,
     _release_now,
@@ -329,7 +330,9 @@ class MessageQueueClient:
             return None, 0
         elements, remaining = reply
         try:
-            (item,) = _wire.from_wire_blocking(elements)
+            (item,) = _wire.from_wire_blocking(
+                elements, _from_queue_blocking(self.queue_actor, ticket)
+            )
         finally:
             _release_now(self.queue_actor, elements, ticket)
         return _from_item(item), remaining
