@@ -170,10 +170,15 @@ class QueueActor:
             return elements
         call = source.producer.__ray_call__.options(num_returns=2)
         count_ref, payloads = call.remote(_handover.hand_over, source.token)
+        # A put that fails or is cancelled here leaves this frame in its error's traceback,
+        # and on Python 3.11 asyncio can keep that error in a reference cycle until the next
+        # garbage collection (in an idle actor, minutes or never): so each way out lets go
+        # of the payloads object first, or the object store would keep it until then.
         try:
             count = await asyncio.wait_for(count_ref, self._hand_over_timeout_s)
         except TimeoutError:
             _cancel_quietly(count_ref)  # still queued in the producer; it finds GONE if run
+            del payloads
             raise HandOverTimeout(
                 f"the producer did not hand the payloads over within "
                 f"{self._hand_over_timeout_s} s (no free call slot?)"
@@ -181,8 +186,14 @@ class QueueActor:
         except ray.exceptions.RayError:
             # The same error is in `payloads` (no bytes to fetch): read it, so that Ray does
             # not log it as an unhandled error when the ref goes.
-            with contextlib.suppress(ray.exceptions.RayError):
-                await payloads
+            try:
+                with contextlib.suppress(ray.exceptions.RayError):
+                    await payloads
+            finally:  # also when cancelled meanwhile (`ray.cancel` cancels the hand-over too)
+                del payloads
+            raise
+        except BaseException:  # cancelled
+            del payloads
             raise
         if count == _handover.GONE:
             raise PutWithdrawn(
@@ -213,6 +224,10 @@ class QueueActor:
             await refs[-1]  # only the marker is fetched; the payloads stay in the store
         except ray.exceptions.RayActorError:
             self._adopter = None  # start a new one for the next put
+            del refs  # as in `_pull`: not kept alive by the error
+            raise
+        except BaseException:  # cancelled
+            del refs
             raise
         adopted = dict(zip(objects, refs, strict=False))
         return [
