@@ -236,8 +236,8 @@ async def test_failed_and_cancelled_pulled_puts_leave_nothing_behind() -> None:
     await client.size()
     before = await asyncio.to_thread(wait_for_objects, 0, 5.0)
     producer = AsyncProducer.remote()
-    # Refs kept alive by a reference cycle would be freed only at some later collection,
-    # if ever (in an idle actor): with it off, any such ref fails this test every time.
+    # A ref kept alive by a reference cycle is freed only at some later collection, if
+    # ever (in an idle actor): with collection off, such a ref fails this test instead.
     for actor in (client.handle, producer):
         await actor.__ray_call__.remote(_without_cyclic_gc)
     items = [_item(i, 256 * 1024) for i in range(60)]
@@ -257,10 +257,8 @@ async def test_failed_and_cancelled_pulled_puts_leave_nothing_behind() -> None:
     # (a put cancelled after `sleep(0)` cannot have had the actor's answer yet).
     assert 0 < len(returned) < len(items)
     del queued
-    # Ray frees released objects asynchronously (seconds on a loaded machine). An object
-    # left after 90 s was held: before the actor let go of a failed hand-over's refs
-    # explicitly, its traceback kept them in a cycle, about once in 10 runs with the
-    # actors' cyclic collection off.
+    # Ray frees released objects asynchronously (seconds on a loaded machine); an object
+    # left after 90 s is held, e.g. by the traceback of a failed hand-over in a cycle.
     assert await asyncio.to_thread(wait_for_objects, before, 90.0) <= before, plasma_objects()
     closed = MessageQueueClient.create(maxsize=4)
     assert await producer.put_after_close.remote(closed, items[:2]) == 0

@@ -287,11 +287,7 @@ async def resolve(elements: list[WireItem], from_queue: FromQueue | None = None)
                 unseen_here, [refs[oid] for oid, f in fetches.items() if not f.done()]
             )
             if unseen:
-                logger.info(
-                    "%d payload object(s) not seen here after %.0f s: fetched through the queue",
-                    len(unseen),
-                    FETCH_STALL_S,
-                )
+                _log_fallback(unseen)
                 objects = dict(zip(unseen, await from_queue(unseen), strict=True))
         for oid, fetch in fetches.items():
             if oid not in objects:
@@ -310,21 +306,29 @@ def from_wire_blocking(
     refs = distinct_refs(elements)
     if not refs:
         return _build(elements, {})
+    if from_queue is None:
+        return _build(elements, dict(zip(refs, ray.get(list(refs.values())), strict=True)))
     try:
-        values = ray.get(list(refs.values()), timeout=FETCH_STALL_S if from_queue else None)
+        values = ray.get(list(refs.values()), timeout=FETCH_STALL_S)
         return _build(elements, dict(zip(refs, values, strict=True)))
     except ray.exceptions.GetTimeoutError:
-        assert from_queue is not None
+        pass
+    objects: dict[bytes, Any] = {}
     unseen = unseen_here(list(refs.values()))
+    if unseen:
+        _log_fallback(unseen)
+        objects = dict(zip(unseen, from_queue(unseen), strict=True))
+    rest = [oid for oid in refs if oid not in objects]
+    objects.update(zip(rest, ray.get([refs[oid] for oid in rest]), strict=True))
+    return _build(elements, objects)
+
+
+def _log_fallback(unseen: list[bytes]) -> None:
     logger.info(
         "%d payload object(s) not seen here after %.0f s: fetched through the queue",
         len(unseen),
         FETCH_STALL_S,
     )
-    objects = dict(zip(unseen, from_queue(unseen), strict=True)) if unseen else {}
-    rest = [oid for oid in refs if oid not in objects]
-    objects.update(zip(rest, ray.get([refs[oid] for oid in rest]), strict=True))
-    return _build(elements, objects)
 
 
 def unseen_here(refs: list[ray.ObjectRef]) -> list[bytes]:
