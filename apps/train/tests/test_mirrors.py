@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,8 @@ from train_app.outputs import MetricsWriter, plot_run
 WANDB_BLOCK = 32768
 WANDB_HEADER = 7
 FULL, LAST = 1, 4
+# How long W&B's service may take to write the run's last records after `finish()` returns.
+EXIT_RECORD_WAIT_S = 60.0
 
 
 def _wandb_records(path: Path) -> Iterator[Any]:
@@ -54,10 +57,19 @@ def _wandb_records(path: Path) -> Iterator[Any]:
 
 
 def _history(run_file: Path) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
-    """(the run's config, {step: {key: value}}) as W&B recorded them."""
+    """(the run's config, {step: {key: value}}) as W&B recorded them, once the run file
+    holds the run's exit record: `finish()` returns when W&B's service has handled the exit,
+    which may be before its buffered writer reached the file (in CI at load ~20 the last
+    step's row was not there yet)."""
+    deadline = time.monotonic() + EXIT_RECORD_WAIT_S
+    records = list(_wandb_records(run_file))
+    while not any(r.WhichOneof("record_type") == "exit" for r in records):
+        assert time.monotonic() < deadline, "no exit record in the W&B run file"
+        time.sleep(0.2)
+        records = list(_wandb_records(run_file))
     config: dict[str, Any] = {}
     history: dict[int, dict[str, Any]] = {}
-    for record in _wandb_records(run_file):
+    for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             config.update({i.key: json.loads(i.value_json) for i in record.run.config.update})
@@ -88,6 +100,7 @@ def test_rows_config_and_plot_reach_wandb_offline(
     assert len(read := (run_dir / "metrics.jsonl").read_text().splitlines()) == 2, read
     (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     wandb_config, history = _history(run_file)
+    assert set(history) >= {1, 2}, history
     assert wandb_config["steps"] == 7 and wandb_config["runs_dir"] == str(tmp_path)
     assert wandb_config["wandb_project"] == "asyncrl-test"
     assert history[1]["reward/mean"] == 0.25 and history[2]["reward/mean"] == 0.75
@@ -131,5 +144,6 @@ def test_eval_rows_reach_wandb_at_the_latest_step(
     writer.close()
     (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     _, history = _history(run_file)
+    assert set(history) >= {1, 2}, history
     assert history[2]["eval/reward/mean"] == 0.5 and history[2]["eval/step"] == 1
     assert history[2]["reward/mean"] == 0.75 and history[1]["reward/mean"] == 0.25

@@ -15,6 +15,7 @@ import gc
 import os
 import random
 import re
+import threading
 import time
 from typing import Any
 
@@ -272,13 +273,21 @@ async def test_failed_and_cancelled_pulled_puts_leave_nothing_behind() -> None:
 class BusyThreadedProducer:
     """A threaded actor whose call slots can be taken by other work than its puts."""
 
+    def __init__(self) -> None:
+        self._busy = threading.Event()
+
     def put(self, queue: SyncMessageQueueClient, items: list[QueueItem]) -> str | None:
         """Puts `items`; returns why pulling is off in this process (None: it is on)."""
         queue.put_many(items)
         return _handover._disabled
 
     def busy(self, seconds: float) -> None:
+        self._busy.set()
         time.sleep(seconds)  # holds one call slot, as a long method of a user's actor would
+
+    def wait_busy(self, timeout: float) -> bool:
+        """True once `busy` holds its slot."""
+        return self._busy.wait(timeout)
 
     def put_with_broken_ray_fields(
         self, queue: SyncMessageQueueClient, items: list[QueueItem]
@@ -322,7 +331,9 @@ async def test_hand_over_timeout_fails_the_pull_and_the_put_is_copied() -> None:
     client = SyncMessageQueueClient.create(maxsize=16, hand_over_timeout_s=1.0)
     producer = BusyThreadedProducer.options(max_concurrency=2).remote()
     busy = producer.busy.remote(BUSY_S)
-    await asyncio.sleep(0.5)  # the busy call holds its slot before the put starts
+    # Ray does not promise that a threaded actor starts calls in submission order (in CI
+    # once the put and its hand-over ran first and nothing timed out): put once `busy` runs.
+    assert await producer.wait_busy.remote(WAIT)
     items = [_item(i) for i in range(2)]
     started = time.monotonic()
     reason = await asyncio.wait_for(producer.put.remote(client, items), BUSY_S)
