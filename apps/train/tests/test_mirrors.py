@@ -59,8 +59,8 @@ def _wandb_records(path: Path) -> Iterator[Any]:
 def _history(run_file: Path) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
     """(the run's config, {step: {key: value}}) as W&B recorded them, once the run file
     holds the run's exit record: `finish()` ends by telling W&B's service to close the run
-    (`inform_finish`, not waited for), and the service may write the file's tail after that
-    (in CI at load ~20 the last step's row was not there yet)."""
+    (`inform_finish`, not waited for), and the service may write the file's tail, the last
+    step's row included, after that on a loaded machine."""
     deadline = time.monotonic() + EXIT_RECORD_WAIT_S
     records = list(_wandb_records(run_file))
     while not any(r.WhichOneof("record_type") == "exit" for r in records):

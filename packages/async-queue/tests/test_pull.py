@@ -331,8 +331,8 @@ async def test_hand_over_timeout_fails_the_pull_and_the_put_is_copied() -> None:
     client = SyncMessageQueueClient.create(maxsize=16, hand_over_timeout_s=1.0)
     producer = BusyThreadedProducer.options(max_concurrency=2).remote()
     busy = producer.busy.remote(BUSY_S)
-    # Ray does not promise that a threaded actor starts calls in submission order (in CI
-    # once the put and its hand-over ran first and nothing timed out): put once `busy` runs.
+    # Ray does not promise that a threaded actor starts calls in submission order: if the
+    # put and its hand-over ran before `busy`, nothing would time out. Put once `busy` runs.
     assert await producer.wait_busy.remote(WAIT)
     items = [_item(i) for i in range(2)]
     started = time.monotonic()
